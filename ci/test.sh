@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The README's test command: builds (or reuses) .venv, installs the package with its dev extra
+# (torch pinned to the local CPU build through ci/constraints.txt), then runs the static checks
+# and the default test lane. Exits non-zero on the first failure.
+#   bash ci/test.sh            # default lane (excludes tests marked slow)
+#   bash ci/test.sh -m slow    # any extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ci/_venv.sh
+ensure_venv dev
+
+echo "== ruff =="
+ruff check .
+echo "== mypy (strict on core) =="
+mypy nemo_rollout_correction
+echo "== import-linter (layering in DESIGN.md) =="
+lint-imports
+echo "== pytest =="
+if [ "$#" -eq 0 ]; then
+  set -- -m "not slow"
+fi
+python -m pytest "$@"

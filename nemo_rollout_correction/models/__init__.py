@@ -1,0 +1,1 @@
+"""Layer placeholder: filled by a later issue (see DESIGN.md layers)."""
