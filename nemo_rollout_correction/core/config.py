@@ -1,0 +1,273 @@
+"""The typed rollout-correction configuration and its validation.
+
+One frozen dataclass holds every knob. Field names follow verl's `rollout_correction` section
+where the concept is the same (so YAML and dashboards port), with our additions for the
+geometric level, the veto, non-finite handling and metrics-only mode. Cross-field rules raise
+`ValueError` naming the field and what is allowed; nothing here asserts on user input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+IsLevel = Literal["token", "sequence", "geometric"]
+IsMode = Literal["truncate", "mask"]
+LossType = Literal["ppo_clip", "reinforce"]
+NonFinitePolicy = Literal["raise", "mask_token", "reject_sequence"]
+RsStatistic = Literal["k1", "k2", "k3"]
+RsGranularity = Literal["token", "seq_sum", "seq_mean", "seq_max"]
+
+IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
+IS_MODES: tuple[str, ...] = get_args(IsMode)
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+NONFINITE_POLICIES: tuple[str, ...] = get_args(NonFinitePolicy)
+
+# Every rejection criterion we accept: granularity x statistic. A k1 maximum is not offered
+# (its two-sided ratio bound has no single "worst token"); use token_k1 or the veto instead.
+RS_OPTIONS: tuple[str, ...] = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+
+
+@dataclass(frozen=True)
+class RejectionCriterion:
+    """One parsed rejection-sampling criterion (for example `seq_mean_k1` with `[0.999, 1.001]`).
+
+    For k1 criteria `[lower, upper]` bound the IS ratio rho itself (token ratio, sequence
+    product, or geometric mean), as DESIGN.md decision 1 demands. For k2/k3 criteria `upper`
+    bounds the divergence statistic and `lower` is None.
+    """
+
+    name: str
+    granularity: RsGranularity
+    statistic: RsStatistic
+    upper: float
+    lower: float | None
+
+    @property
+    def is_token_level(self) -> bool:
+        """True when the criterion rejects single tokens rather than whole sequences."""
+        return self.granularity == "token"
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """How to measure and correct the rollout/training mismatch.
+
+    Build one with `RolloutCorrectionConfig.from_preset(name, **overrides)` or directly.
+    Construction validates every field; invalid values raise `ValueError`.
+    """
+
+    rollout_is: IsLevel | None = None
+    """IS level: `token`, `sequence` (product of token ratios) or `geometric` (length-normalised); None = no IS weights."""
+
+    rollout_is_mode: IsMode = "truncate"
+    """`truncate` (TIS: min(rho, upper)) or `mask` (MIS/IcePop: rho outside [lower, upper] is rejected)."""
+
+    rollout_is_threshold: float = 2.0
+    """Upper bound on the IS ratio rho; must be > 0 (and > 1 for a meaningful truncation)."""
+
+    rollout_is_threshold_lower: float | None = None
+    """Lower bound on rho for `mask` mode or a two-sided truncation; None means 1 / rollout_is_threshold."""
+
+    rollout_is_two_sided: bool = False
+    """In `truncate` mode also clamp from below: w = clamp(rho, lower, upper)."""
+
+    rollout_is_batch_normalize: bool = False
+    """Divide the applied weights by their (global, when passed in) mean so they average to 1."""
+
+    rollout_rs: str | None = None
+    """Rejection criteria, comma separated, combined with AND (e.g. `token_k1,seq_mean_k3`); None = off."""
+
+    rollout_rs_threshold: str | float | None = None
+    """Thresholds, one per criterion or one shared: k1 takes `lower_upper` or `upper` (lower = 1/upper) as ratio bounds; k2/k3 take an upper bound."""
+
+    rollout_token_veto_threshold: float | None = None
+    """Reject a whole sequence if any token ratio is below this (e.g. 1e-4); None = no veto."""
+
+    bypass_mode: bool = False
+    """Bypass: no old-logprob recompute; PPO clips against pi_rollout (pass the current logprobs as old_logprobs)."""
+
+    loss_type: LossType = "ppo_clip"
+    """Policy loss: `ppo_clip`, or `reinforce` (with bypass_mode: pure IS, -sg(w) * A * log pi_theta, no clipping)."""
+
+    metrics_only: bool = False
+    """Compute every diagnostic but apply nothing: weights are 1 and only non-finite tokens leave the mask."""
+
+    nonfinite_policy: NonFinitePolicy = "reject_sequence"
+    """What a NaN/inf logprob on a loss token does: `raise`, `mask_token`, or `reject_sequence`."""
+
+    nonfinite_max_fraction: float | None = None
+    """Fail fast (ValueError) when more than this fraction of loss tokens is non-finite; None = never."""
+
+    rejected_tokens_in_denominator: bool = False
+    """Keep rejected tokens in the loss denominator (they still contribute 0 to the numerator)."""
+
+    _criteria: tuple[RejectionCriterion, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_choice("rollout_is", self.rollout_is, IS_LEVELS, allow_none=True)
+        _check_choice("rollout_is_mode", self.rollout_is_mode, IS_MODES)
+        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        _check_choice("nonfinite_policy", self.nonfinite_policy, NONFINITE_POLICIES)
+        for name in ("rollout_is_two_sided", "rollout_is_batch_normalize", "bypass_mode", "metrics_only",
+                     "rejected_tokens_in_denominator"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check_positive("rollout_is_threshold", self.rollout_is_threshold)
+        if self.rollout_is_threshold_lower is not None:
+            _check_positive("rollout_is_threshold_lower", self.rollout_is_threshold_lower)
+            if self.rollout_is_threshold_lower > self.rollout_is_threshold:
+                raise ValueError(
+                    f"rollout_is_threshold_lower ({self.rollout_is_threshold_lower}) must be <= "
+                    f"rollout_is_threshold ({self.rollout_is_threshold})"
+                )
+        if self.rollout_token_veto_threshold is not None:
+            _check_positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold)
+        if self.nonfinite_max_fraction is not None and not 0.0 <= self.nonfinite_max_fraction <= 1.0:
+            raise ValueError(f"nonfinite_max_fraction must be in [0, 1] or null, got {self.nonfinite_max_fraction!r}")
+        if self.rollout_is is None and self.rollout_is_batch_normalize:
+            raise ValueError("rollout_is_batch_normalize=true needs an IS level: set rollout_is to one of "
+                             f"{list(IS_LEVELS)}")
+        object.__setattr__(self, "_criteria", _parse_rejection(self.rollout_rs, self.rollout_rs_threshold))
+
+    # ---- derived views -------------------------------------------------------------------
+
+    @property
+    def is_lower(self) -> float:
+        """The effective lower IS bound: the explicit one, or 1 / upper."""
+        if self.rollout_is_threshold_lower is not None:
+            return self.rollout_is_threshold_lower
+        return 1.0 / self.rollout_is_threshold
+
+    @property
+    def rejection_criteria(self) -> tuple[RejectionCriterion, ...]:
+        """The parsed `rollout_rs` criteria, in the order given (duplicates removed)."""
+        return self._criteria
+
+    @property
+    def pure_is(self) -> bool:
+        """Off-policy REINFORCE against pi_rollout (bypass + reinforce): no PPO clipping."""
+        return self.bypass_mode and self.loss_type == "reinforce"
+
+    # ---- construction helpers ------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Every user-settable field name."""
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @classmethod
+    def preset_names(cls) -> list[str]:
+        """Every accepted preset name (seed names, verl's names and aliases), sorted."""
+        from nemo_rollout_correction.core.presets import preset_names
+
+        return preset_names()
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> RolloutCorrectionConfig:
+        """The preset `name` with `overrides` applied (field=value); unknown names raise ValueError."""
+        from nemo_rollout_correction.core.presets import preset_fields
+
+        return cls.from_dict({**preset_fields(name), **overrides})
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RolloutCorrectionConfig:
+        """Build from a plain mapping, rejecting unknown keys with a close-match suggestion."""
+        known = cls.field_names()
+        for key in values:
+            if key not in known:
+                hint = difflib.get_close_matches(key, known, n=1)
+                suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+                raise ValueError(f"unknown rollout-correction field {key!r}{suggestion}; valid fields: {known}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """All user-settable fields as a plain dict (the inverse of `from_dict`)."""
+        return {name: getattr(self, name) for name in self.field_names()}
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...], *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value not in allowed:
+        options = list(allowed) + (["null"] if allow_none else [])
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _parse_rejection(options: str | None, thresholds: str | float | None) -> tuple[RejectionCriterion, ...]:
+    """Parse verl-style `rollout_rs` / `rollout_rs_threshold` strings into criteria."""
+    if options is None:
+        return ()
+    if not isinstance(options, str):
+        raise ValueError(f"rollout_rs must be a comma-separated string of {list(RS_OPTIONS)}, got {options!r}")
+    names: list[str] = []
+    for raw in options.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        if name not in RS_OPTIONS:
+            raise ValueError(f"rollout_rs option {name!r} is not supported; choose from {list(RS_OPTIONS)}")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError(f"rollout_rs is empty; give one or more of {list(RS_OPTIONS)} or null")
+    if thresholds is None:
+        raise ValueError(f"rollout_rs={options!r} needs rollout_rs_threshold (one value per criterion or one "
+                         "shared; k1 takes 'lower_upper' ratio bounds, k2/k3 an upper bound)")
+    if isinstance(thresholds, bool) or not isinstance(thresholds, (str, int, float)):
+        raise ValueError(f"rollout_rs_threshold must be a number or a string, got {thresholds!r}")
+    specs = [s.strip() for s in str(thresholds).split(",") if s.strip()]
+    if len(specs) == 1:
+        specs = specs * len(names)
+    if len(specs) != len(names):
+        raise ValueError(f"rollout_rs_threshold has {len(specs)} entries for {len(names)} criteria {names}; "
+                         "give one shared value or one per criterion")
+    return tuple(_parse_criterion(name, spec) for name, spec in zip(names, specs, strict=True))
+
+
+def _parse_criterion(name: str, spec: str) -> RejectionCriterion:
+    granularity, statistic = name.rsplit("_", 1)
+    parts = spec.split("_")
+    try:
+        numbers = [float(p) for p in parts]
+    except ValueError as exc:
+        raise ValueError(f"rollout_rs_threshold entry {spec!r} for {name} is not a number") from exc
+    for value in numbers:
+        _check_positive(f"rollout_rs_threshold ({name})", value)
+    if statistic == "k1":
+        if len(numbers) == 1:
+            upper = numbers[0]
+            lower = 1.0 / upper
+        elif len(numbers) == 2:
+            lower, upper = numbers
+        else:
+            raise ValueError(f"rollout_rs_threshold for {name} must be 'upper' or 'lower_upper', got {spec!r}")
+        if lower > upper:
+            raise ValueError(f"rollout_rs_threshold for {name}: lower ({lower}) must be <= upper ({upper})")
+        return RejectionCriterion(name, granularity, "k1", upper, lower)  # type: ignore[arg-type]
+    if len(numbers) != 1:
+        raise ValueError(f"rollout_rs_threshold for {name} takes a single upper bound on the divergence, "
+                         f"got {spec!r}")
+    return RejectionCriterion(name, granularity, statistic, numbers[0], None)  # type: ignore[arg-type]

@@ -1,0 +1,317 @@
+"""The one entry point: `compute_rollout_correction`.
+
+Two phases, each a loop over row chunks so peak extra memory stays at a few chunk-sized
+temporaries whatever the batch size:
+
+1. `sequence_partials`: per-sequence sums/maxima/minima of token terms (phase 1). Under
+   context parallelism these `[batch]` vectors are all-reduced over the CP group here.
+2. `finish_correction`: sequence decisions (IS weight, rejection, veto, non-finite policy)
+   from the complete per-sequence partials, the token-level keep mask and IS weights, and
+   the mergeable metric partials (phase 2).
+
+On one process `compute_rollout_correction` runs both phases per chunk while the chunk is hot
+in cache. Inputs are never modified; outputs are detached (IS weights carry no gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from nemo_rollout_correction.core.config import RolloutCorrectionConfig
+from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk, validate_inputs
+from nemo_rollout_correction.core.metrics import (
+    finalize_metrics,
+    sequence_metric_partials,
+    token_metric_partials,
+)
+from nemo_rollout_correction.core.rejection import sequence_rejected, vetoed
+from nemo_rollout_correction.core.sequence_stats import chunk_sequence_partials, token_is_weights
+from nemo_rollout_correction.core.stats import Partials
+from nemo_rollout_correction.core.weights import bound_weights, normalize_is_weights_
+
+CHUNK_ELEMENTS = 1 << 18
+"""Tokens per row chunk (~1 MiB per float32 temporary): small enough for cache, large enough
+that per-chunk Python overhead is negligible."""
+
+
+@dataclass
+class RolloutCorrectionOutput:
+    """What `compute_rollout_correction` returns.
+
+    is_weights: `[batch, seq]` float32, detached; the IS weight on kept tokens, 1 where no IS
+        applies, 0 outside keep_mask.
+    keep_mask: `[batch, seq]` bool; loss_mask after rejection, veto and non-finite handling.
+    denominator_mask: `[batch, seq]` bool; the tokens that count in the loss denominator
+        (keep_mask, or the finite loss tokens when `rejected_tokens_in_denominator`).
+    partials: the unreduced statistics (sums / maxima / minima / histograms) behind `metrics`,
+        for distributed callers to reduce before `finalize_metrics`.
+    metrics: `rollout_corr/<name>` -> float, for this batch alone.
+    """
+
+    is_weights: Tensor
+    keep_mask: Tensor
+    denominator_mask: Tensor
+    partials: Partials
+    config: RolloutCorrectionConfig
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_kept_tokens(self) -> int:
+        """Tokens in keep_mask (local; a distributed caller sums it over dp x cp)."""
+        return int(self.partials.get_sum("num_kept_tokens"))
+
+    @property
+    def num_denominator_tokens(self) -> int:
+        """Tokens in denominator_mask (local; the global sum is the loss denominator)."""
+        return int(self.partials.get_sum("num_denominator_tokens"))
+
+
+def compute_rollout_correction(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    cfg: RolloutCorrectionConfig,
+    *,
+    is_weight_mean: float | Tensor | None = None,
+) -> RolloutCorrectionOutput:
+    """IS weights, keep mask and diagnostics for one batch.
+
+    old_logprobs: `[batch, seq]` pi_old of the sampled tokens, as re-scored by the trainer. In
+        bypass / pure-IS mode pass the current policy's logprobs (they are detached here).
+    rollout_logprobs: `[batch, seq]` pi_rollout as the rollout engine reported them.
+    loss_mask: `[batch, seq]` bool (or 0/1) marking trainable response tokens.
+    cfg: the configuration (see `RolloutCorrectionConfig.from_preset`).
+    is_weight_mean: for `rollout_is_batch_normalize`, the global mean of the kept weights
+        (computed by the caller over all ranks); None uses this batch's own mean.
+
+    Raises ValueError for mismatched shapes/dtypes, and for non-finite logprobs when the
+    config says `raise` or the fail-fast fraction is exceeded.
+    """
+    validate_inputs(old_logprobs, rollout_logprobs, loss_mask)
+    old_logprobs, rollout_logprobs = old_logprobs.detach(), rollout_logprobs.detach()
+    outputs = _allocate_outputs(old_logprobs)
+    partials = Partials()
+    for start, stop in _row_chunks(old_logprobs):
+        tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop])
+        seq = chunk_sequence_partials(tok, cfg)
+        _check_nonfinite_raise(seq, cfg, start)
+        partials.merge(_finish_chunk(tok, seq, cfg, outputs, start, stop, owns_sequences=True))
+    return _complete(outputs, partials, cfg, is_weight_mean)
+
+
+def sequence_partials(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, cfg: RolloutCorrectionConfig
+) -> Partials:
+    """Phase 1 alone: per-sequence partials `[batch]` to reduce over context-parallel ranks.
+
+    SUM entries are summed, MAX entries maxed and MIN entries minned over the CP group; the
+    result is passed to `finish_correction` on every CP rank.
+    """
+    validate_inputs(old_logprobs, rollout_logprobs, loss_mask)
+    parts = []
+    for start, stop in _row_chunks(old_logprobs):
+        tok = TokenChunk(old_logprobs[start:stop].detach(), rollout_logprobs[start:stop].detach(),
+                         loss_mask[start:stop])
+        parts.append(chunk_sequence_partials(tok, cfg))
+    return Partials.concat(parts)
+
+
+def finish_correction(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    cfg: RolloutCorrectionConfig,
+    seq: Partials,
+    *,
+    owns_sequences: bool = True,
+    is_weight_mean: float | Tensor | None = None,
+) -> RolloutCorrectionOutput:
+    """Phase 2 alone, given complete per-sequence partials `seq` (already CP-reduced).
+
+    owns_sequences: whether this rank contributes the per-sequence metric terms. Under context
+        parallelism every CP rank holds the same complete sequence statistics, so exactly one
+        CP rank (e.g. cp_rank 0) must own them or they would be counted cp_size times.
+    The returned `metrics` describe this rank's share only; reduce `partials` (SUM/MAX/MIN)
+    over dp x cp and call `finalize_metrics` for the step's values.
+    """
+    validate_inputs(old_logprobs, rollout_logprobs, loss_mask)
+    _check_nonfinite_raise(seq, cfg, 0)
+    old_logprobs, rollout_logprobs = old_logprobs.detach(), rollout_logprobs.detach()
+    outputs = _allocate_outputs(old_logprobs)
+    partials = Partials()
+    for start, stop in _row_chunks(old_logprobs):
+        tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop])
+        partials.merge(_finish_chunk(tok, seq.slice_rows(start, stop), cfg, outputs, start, stop,
+                                     owns_sequences=owns_sequences))
+    return _complete(outputs, partials, cfg, is_weight_mean)
+
+
+# ---- internals ------------------------------------------------------------------------------
+
+
+def _row_chunks(x: Tensor) -> list[tuple[int, int]]:
+    batch, seq_len = x.shape
+    rows = max(1, CHUNK_ELEMENTS // max(seq_len, 1))
+    return [(start, min(start + rows, batch)) for start in range(0, batch, rows)]
+
+
+def _allocate_outputs(like: Tensor) -> dict[str, Tensor]:
+    return {
+        "is_weights": torch.empty(like.shape, dtype=torch.float32, device=like.device),
+        "keep_mask": torch.empty(like.shape, dtype=torch.bool, device=like.device),
+        "denominator_mask": torch.empty(like.shape, dtype=torch.bool, device=like.device),
+    }
+
+
+def _check_nonfinite_raise(seq: Partials, cfg: RolloutCorrectionConfig, row_offset: int) -> None:
+    if cfg.nonfinite_policy != "raise":
+        return
+    bad_rows = torch.nonzero(seq.sums["num_nonfinite"] > 0).flatten()
+    if bad_rows.numel():
+        total = int(seq.sums["num_nonfinite"].sum())
+        raise ValueError(
+            f"{total} non-finite logprob(s) on loss tokens (first in row {int(bad_rows[0]) + row_offset}) "
+            "with nonfinite_policy='raise'; use 'mask_token' or 'reject_sequence' to train through them"
+        )
+
+
+def _complete(
+    outputs: dict[str, Tensor],
+    partials: Partials,
+    cfg: RolloutCorrectionConfig,
+    is_weight_mean: float | Tensor | None,
+) -> RolloutCorrectionOutput:
+    _check_nonfinite_fraction(partials, cfg)
+    if cfg.rollout_is_batch_normalize:
+        mean = is_weight_mean if is_weight_mean is not None else local_is_weight_mean(partials)
+        partials.add_sum("batch_norm_factor", torch.tensor(float(mean), dtype=torch.float64))
+        if not cfg.metrics_only:
+            normalize_is_weights_(outputs["is_weights"], mean)
+    return RolloutCorrectionOutput(
+        is_weights=outputs["is_weights"],
+        keep_mask=outputs["keep_mask"],
+        denominator_mask=outputs["denominator_mask"],
+        partials=partials,
+        config=cfg,
+        metrics=finalize_metrics(partials, cfg),
+    )
+
+
+def local_is_weight_mean(partials: Partials) -> float:
+    """Mean applied IS weight over kept tokens (token level) or kept sequences (sequence levels).
+
+    Distributed callers instead sum `is_weight_kept_sum` and `is_weight_kept_count` over
+    dp x cp and divide.
+    """
+    count = partials.get_sum("is_weight_kept_count")
+    return partials.get_sum("is_weight_kept_sum") / count if count > 0 else 1.0
+
+
+def _check_nonfinite_fraction(partials: Partials, cfg: RolloutCorrectionConfig) -> None:
+    limit = cfg.nonfinite_max_fraction
+    if limit is None:
+        return
+    bad = partials.get_sum("num_nonfinite_tokens")
+    total = bad + partials.get_sum("num_valid_tokens")
+    if total > 0 and bad / total > limit:
+        raise ValueError(
+            f"{bad / total:.4%} of loss tokens have non-finite logprobs ({int(bad)} of {int(total)}), above "
+            f"nonfinite_max_fraction={limit}; check the rollout engine's logprobs"
+        )
+
+
+def _finish_chunk(
+    tok: TokenChunk,
+    seq: Partials,
+    cfg: RolloutCorrectionConfig,
+    outputs: dict[str, Tensor],
+    start: int,
+    stop: int,
+    *,
+    owns_sequences: bool,
+) -> Partials:
+    """Decisions, outputs and metric partials for rows `[start, stop)`."""
+    num_tokens = seq.sums["num_tokens"]
+    has_tokens = num_tokens > 0
+    apply = not cfg.metrics_only
+
+    # -- sequence-level decisions ----------------------------------------------------------
+    decisions: dict[str, Tensor] = {}
+    usable = has_tokens.clone()
+    if cfg.nonfinite_policy == "reject_sequence":
+        decisions["nonfinite"] = seq.sums["num_nonfinite"] > 0
+        usable &= ~decisions["nonfinite"]
+    seq_keep = usable.clone()
+    if cfg.rollout_token_veto_threshold is not None:
+        decisions["veto"] = vetoed(seq, cfg.rollout_token_veto_threshold) & has_tokens
+        if apply:
+            seq_keep &= ~decisions["veto"]
+    rs_seq_any = torch.zeros_like(has_tokens)
+    for criterion in cfg.rejection_criteria:
+        if not criterion.is_token_level:
+            decisions[f"rs:{criterion.name}"] = sequence_rejected(seq, criterion)
+            rs_seq_any |= decisions[f"rs:{criterion.name}"]
+    decisions["rs_any"] = rs_seq_any
+
+    seq_weight: Tensor | None = None
+    if cfg.rollout_is in ("sequence", "geometric"):
+        log_raw = _sequence_log_weight(seq, cfg)
+        clamped = log_raw.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        seq_weight, in_bounds = bound_weights(torch.exp(clamped), clamped, cfg)
+        decisions["is_log_raw"] = log_raw
+        decisions["is_weight"] = seq_weight
+        if in_bounds is not None:
+            decisions["is_rejected"] = ~in_bounds & has_tokens
+    if apply:
+        seq_keep &= ~rs_seq_any
+        if "is_rejected" in decisions:
+            seq_keep &= ~decisions["is_rejected"]
+    decisions["keep"] = seq_keep
+
+    # -- token-level keep mask and weights ---------------------------------------------------
+    keep = tok.valid & seq_keep.unsqueeze(-1)
+    token_weight: Tensor | None = None
+    if cfg.rollout_is == "token":
+        token_weight, token_in_bounds = token_is_weights(tok, cfg)
+        if apply and token_in_bounds is not None:
+            keep &= token_in_bounds
+    if apply and "rs_rejected_any" in tok.cache:
+        keep &= ~tok.cache["rs_rejected_any"]
+    outputs["keep_mask"][start:stop] = keep
+    weights_out = outputs["is_weights"][start:stop]
+    if apply and token_weight is not None:
+        weights_out.copy_(token_weight).masked_fill_(~keep, 0.0)
+    elif apply and seq_weight is not None:
+        weights_out.copy_(seq_weight.unsqueeze(-1).expand_as(weights_out)).masked_fill_(~keep, 0.0)
+    else:
+        weights_out.copy_(keep)
+    if cfg.rejected_tokens_in_denominator:
+        outputs["denominator_mask"][start:stop] = tok.valid & usable.unsqueeze(-1)
+    else:
+        outputs["denominator_mask"][start:stop] = keep
+
+    partials = token_metric_partials(tok, cfg, keep, outputs["denominator_mask"][start:stop], decisions)
+    if owns_sequences:
+        partials.merge(sequence_metric_partials(seq, cfg, decisions))
+    return partials
+
+
+def _sequence_log_weight(seq: Partials, cfg: RolloutCorrectionConfig) -> Tensor:
+    """log rho at the sequence level `[rows]`: the summed log-ratio, or its mean (geometric)."""
+    total = seq.sums["sum_log_ratio"]
+    if cfg.rollout_is == "geometric":
+        return total / seq.sums["num_tokens"].clamp(min=1.0)
+    return total
+
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "RolloutCorrectionOutput",
+    "compute_rollout_correction",
+    "finish_correction",
+    "local_is_weight_mean",
+    "sequence_partials",
+]

@@ -1,0 +1,423 @@
+"""Diagnostics: mergeable metric partials and their finalisation into `rollout_corr/*` values.
+
+Names and definitions follow verl's rollout_corr metric set so dashboards port; where we
+deliberately differ (sequences without tokens are excluded from per-sequence means, k1
+fractions are about the ratio bounds, overflow is clamped), docs/metrics.md says so.
+
+Token-local partials come from `token_metric_partials` on every rank. Per-sequence partials
+come from `sequence_metric_partials` on the one rank that owns each complete sequence, so the
+sum over ranks counts every sequence once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from nemo_rollout_correction.core.config import RejectionCriterion, RolloutCorrectionConfig
+from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
+from nemo_rollout_correction.core.rejection import sequence_statistic, statistic_bounds, token_statistic
+from nemo_rollout_correction.core.sequence_stats import token_is_weights
+from nemo_rollout_correction.core.stats import LogHistogram, Partials
+
+PREFIX = "rollout_corr/"
+QUANTILES: tuple[tuple[str, float], ...] = (("p1", 0.01), ("p10", 0.10), ("p50", 0.50), ("p90", 0.90),
+                                            ("p99", 0.99))
+
+_NEG_INF = float("-inf")
+_POS_INF = float("inf")
+
+
+def _count(mask: Tensor) -> Tensor:
+    return mask.sum(dtype=torch.float64)
+
+
+def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
+    if values.numel() == 0:
+        return torch.tensor(_NEG_INF, dtype=torch.float64)
+    return torch.where(mask, values, _NEG_INF).max()
+
+
+def _masked_min(values: Tensor, mask: Tensor) -> Tensor:
+    if values.numel() == 0:
+        return torch.tensor(_POS_INF, dtype=torch.float64)
+    return torch.where(mask, values, _POS_INF).min()
+
+
+def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, values, 0.0).sum(dtype=torch.float64)
+
+
+# ---- token-local partials (every rank) --------------------------------------------------------
+
+
+def token_metric_partials(
+    tok: TokenChunk,
+    cfg: RolloutCorrectionConfig,
+    keep: Tensor,
+    denominator: Tensor,
+    decisions: dict[str, Tensor],
+) -> Partials:
+    """Metric partials that only need this rank's tokens of rows in one chunk."""
+    out = Partials()
+    valid = tok.valid
+    out.add_sum("num_kept_tokens", _count(keep))
+    out.add_sum("num_denominator_tokens", _count(denominator))
+    out.add_sum("hist:token_log_ratio", LogHistogram.count(tok.clamped, valid))
+    out.add_max("token_log_ratio_max", _masked_max(tok.clamped, valid))
+    out.add_min("token_log_ratio_min", _masked_min(tok.clamped, valid))
+
+    if cfg.rollout_token_veto_threshold is not None:
+        catastrophic = tok.clamped < math.log(cfg.rollout_token_veto_threshold)
+        out.add_sum("num_catastrophic_tokens", _count(catastrophic & valid))
+
+    if cfg.rollout_is == "token":
+        weights, _ = token_is_weights(tok, cfg)
+        out.add_sum("is_w2_sum", _masked_sum(weights.square(), valid))
+        out.add_max("is_w_max", _masked_max(weights, valid))
+        out.add_min("is_w_min", _masked_min(weights, valid))
+        out.add_sum("is_high_count", _count((tok.clamped > math.log(cfg.rollout_is_threshold)) & valid))
+        out.add_sum("is_low_count", _count((tok.clamped < math.log(cfg.is_lower)) & valid))
+        out.add_sum("is_weight_kept_sum", _masked_sum(weights, keep))
+        out.add_sum("is_weight_kept_count", _count(keep))
+
+    for criterion in cfg.rejection_criteria:
+        if criterion.is_token_level:
+            _token_criterion_partials(out, tok, criterion)
+    if cfg.rejection_criteria:
+        rejected = decisions["rs_any"].unsqueeze(-1)
+        if "rs_rejected_any" in tok.cache:
+            rejected = rejected | tok.cache["rs_rejected_any"]
+        out.add_sum("rs_rejected_tokens", _count(rejected & valid))
+    return out
+
+
+def _token_criterion_partials(out: Partials, tok: TokenChunk, criterion: RejectionCriterion) -> None:
+    key = f"rs:{criterion.name}:"
+    valid = tok.valid
+    stat = token_statistic(tok, criterion)
+    low, high = statistic_bounds(criterion)
+    out.add_max(key + "max", _masked_max(stat, valid))
+    out.add_min(key + "min", _masked_min(stat, valid))
+    high_count, low_count = _outside_counts(stat, criterion, valid)
+    out.add_sum(key + "high_count", high_count)
+    out.add_sum(key + "low_count", low_count)
+    clamped = stat.clamp(low, high)
+    out.add_sum(key + "clamped_sum", _masked_sum(clamped, valid))
+    out.add_sum(key + "clamped_sq_sum", _masked_sum(clamped.square(), valid))
+
+
+def _outside_counts(stat: Tensor, criterion: RejectionCriterion, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """How many values have a ratio above / below the bounds (k1) or a divergence above (k2/k3)."""
+    low, high = statistic_bounds(criterion)
+    if criterion.statistic == "k1":
+        # stat = -log rho: a ratio above `upper` is a statistic below `low`.
+        return _count((stat < low) & mask), _count((stat > high) & mask)
+    return _count((stat > high) & mask), torch.zeros((), dtype=torch.float64)
+
+
+# ---- per-sequence partials (the owning rank only) ---------------------------------------------
+
+
+def sequence_metric_partials(seq: Partials, cfg: RolloutCorrectionConfig, decisions: dict[str, Tensor]) -> Partials:
+    """Metric partials derived from complete per-sequence statistics of one chunk's rows."""
+    out = Partials()
+    num_tokens = seq.sums["num_tokens"]
+    has = num_tokens > 0
+    n = num_tokens.clamp(min=1.0)
+
+    out.add_sum("num_valid_tokens", num_tokens.sum())
+    out.add_sum("num_valid_seqs", _count(has))
+    out.add_sum("num_nonfinite_tokens", seq.sums["num_nonfinite"].sum())
+    out.add_sum("num_nonfinite_seqs", _count(seq.sums["num_nonfinite"] > 0))
+    out.add_sum("num_kept_seqs", _count(decisions["keep"]))
+    if "veto" in decisions:
+        out.add_sum("num_vetoed_seqs", _count(decisions["veto"]))
+
+    mean_old = seq.sums["sum_old_logprobs"] / n
+    mean_rollout = seq.sums["sum_rollout_logprobs"] / n
+    out.add_sum("training_ppl_sum", _masked_sum(torch.exp(-mean_old), has))
+    out.add_sum("training_log_ppl_sum", _masked_sum(-mean_old, has))
+    out.add_sum("rollout_ppl_sum", _masked_sum(torch.exp(-mean_rollout), has))
+    out.add_sum("rollout_log_ppl_sum", _masked_sum(-mean_rollout, has))
+    log_ppl_diff = mean_rollout - mean_old
+    out.add_sum("log_ppl_diff_sum", _masked_sum(log_ppl_diff, has))
+    out.add_sum("log_ppl_abs_diff_sum", _masked_sum(log_ppl_diff.abs(), has))
+    out.add_max("log_ppl_diff_max", _masked_max(log_ppl_diff, has))
+    out.add_min("log_ppl_diff_min", _masked_min(log_ppl_diff, has))
+    out.add_sum("ppl_ratio_sum", _masked_sum(torch.exp(log_ppl_diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), has))
+
+    sum_log_ratio = seq.sums["sum_log_ratio"]
+    out.add_sum("kl_sum", -sum_log_ratio.sum())
+    out.add_sum("k3_sum", seq.sums["sum_k3"].sum())
+    out.add_sum("ratio_sq_sum", seq.sums["sum_ratio_sq"].sum())
+    seq_log_ratio = sum_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    out.add_sum("chi2_seq_sum", _masked_sum(torch.exp(2.0 * seq_log_ratio), has))
+
+    if cfg.rollout_is == "token":
+        _token_is_sequence_partials(out, seq, cfg, has, n)
+    elif cfg.rollout_is is not None:
+        _sequence_is_partials(out, seq, cfg, decisions, has, num_tokens)
+
+    rs_seq_rejected = decisions["rs_any"]
+    for criterion in cfg.rejection_criteria:
+        rejected = _criterion_sequence_partials(out, seq, criterion, decisions, has, num_tokens)
+        rs_seq_rejected = rs_seq_rejected | rejected
+    if cfg.rejection_criteria:
+        out.add_sum("rs_rejected_seqs", _count(rs_seq_rejected & has))
+    return out
+
+
+def _token_is_sequence_partials(out: Partials, seq: Partials, cfg: RolloutCorrectionConfig, has: Tensor,
+                                n: Tensor) -> None:
+    out.add_sum("is_w_sum", seq.sums["sum_token_is_weight"].sum())
+    if "num_is_rejected" in seq.sums:
+        out.add_sum("is_rejected_tokens", seq.sums["num_is_rejected"].sum())
+    seq_mean = seq.sums["sum_token_is_weight"] / n
+    _add_seq_value_stats(out, "is_seq", seq_mean, has)
+    # The high/low sequence fractions use the raw (pre-bound) per-sequence mean: a mean of
+    # truncated weights can never exceed the upper bound.
+    raw_mean = seq.sums["sum_token_raw_weight"] / n
+    out.add_sum("is_seq_high_count", _count((raw_mean > cfg.rollout_is_threshold) & has))
+    out.add_sum("is_seq_low_count", _count((raw_mean < cfg.is_lower) & has))
+
+
+def _sequence_is_partials(out: Partials, seq: Partials, cfg: RolloutCorrectionConfig,
+                          decisions: dict[str, Tensor], has: Tensor, num_tokens: Tensor) -> None:
+    weight = decisions["is_weight"]
+    log_raw = decisions["is_log_raw"]
+    clamped = log_raw.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    log_upper, log_lower = math.log(cfg.rollout_is_threshold), math.log(cfg.is_lower)
+    # Token-weighted, as if each token carried its sequence's weight (verl's definition).
+    out.add_sum("is_w_sum", (num_tokens * weight).sum())
+    out.add_sum("is_w2_sum", (num_tokens * weight.square()).sum())
+    out.add_max("is_log_max", _masked_max(clamped, has))
+    out.add_min("is_log_min", _masked_min(clamped, has))
+    out.add_sum("is_high_count", _count((log_raw > log_upper) & has))
+    out.add_sum("is_low_count", _count((log_raw < log_lower) & has))
+    out.add_sum("is_seq_high_count", _count((log_raw > log_upper) & has))
+    out.add_sum("is_seq_low_count", _count((log_raw < log_lower) & has))
+    _add_seq_value_stats(out, "is_seq", weight, has)
+    out.add_sum("hist:is_raw_log_weight", LogHistogram.count_weighted(clamped, torch.where(has, num_tokens, 0.0)))
+    if "is_rejected" in decisions:
+        out.add_sum("is_rejected_tokens", (num_tokens * decisions["is_rejected"]).sum())
+    kept = decisions["keep"]
+    out.add_sum("is_weight_kept_sum", _masked_sum(weight, kept))
+    out.add_sum("is_weight_kept_count", _count(kept))
+
+
+def _criterion_sequence_partials(out: Partials, seq: Partials, criterion: RejectionCriterion,
+                                 decisions: dict[str, Tensor], has: Tensor, num_tokens: Tensor) -> Tensor:
+    """Per-sequence statistics of one criterion; returns the sequences it rejected."""
+    key = f"rs:{criterion.name}:"
+    stat = sequence_statistic(seq, criterion)
+    _add_seq_value_stats(out, key + "seq", stat, has)
+    high_count, low_count = _outside_counts(stat, criterion, has)
+    out.add_sum(key + "seq_high_count", high_count)
+    out.add_sum(key + "seq_low_count", low_count)
+    if criterion.is_token_level:
+        token_total = {"k1": -seq.sums["sum_log_ratio"]}.get(criterion.statistic)
+        if token_total is None:
+            token_total = seq.sums[f"sum_{criterion.statistic}"]
+        out.add_sum(key + "sum", token_total.sum())
+        num_rejected = seq.sums[f"num_rs_rejected:{criterion.name}"]
+        out.add_sum(key + "rejected_tokens", num_rejected.sum())
+        rejected = num_rejected > 0
+        out.add_sum(key + "rejected_seqs", _count(rejected))
+        return rejected
+    # Sequence-level criterion: token-weighted values, as if each token carried its sequence's statistic.
+    low, high = statistic_bounds(criterion)
+    weights = torch.where(has, num_tokens, 0.0)
+    out.add_sum(key + "sum", (weights * stat).sum())
+    clamped = stat.clamp(low, high)
+    out.add_sum(key + "clamped_sum", (weights * clamped).sum())
+    out.add_sum(key + "clamped_sq_sum", (weights * clamped.square()).sum())
+    out.add_max(key + "max", _masked_max(stat, has))
+    out.add_min(key + "min", _masked_min(stat, has))
+    out.add_sum(key + "high_count", high_count)
+    out.add_sum(key + "low_count", low_count)
+    rejected = decisions[f"rs:{criterion.name}"]
+    out.add_sum(key + "rejected_tokens", (num_tokens * rejected).sum())
+    out.add_sum(key + "rejected_seqs", _count(rejected))
+    return rejected
+
+
+def _add_seq_value_stats(out: Partials, key: str, values: Tensor, has: Tensor) -> None:
+    out.add_sum(key + "_sum", _masked_sum(values, has))
+    out.add_sum(key + "_sq_sum", _masked_sum(values.square(), has))
+    out.add_max(key + "_max", _masked_max(values, has))
+    out.add_min(key + "_min", _masked_min(values, has))
+
+
+# ---- finalisation ------------------------------------------------------------------------------
+
+
+def finalize_metrics(partials: Partials, cfg: RolloutCorrectionConfig) -> dict[str, float]:
+    """Turn (reduced) partials into `rollout_corr/<name>` floats; never NaN, 0.0 when undefined."""
+    f = _Finalizer(partials)
+    m: dict[str, float] = {}
+    num_tokens, num_seqs = f.sum("num_valid_tokens"), f.sum("num_valid_seqs")
+    num_nonfinite = f.sum("num_nonfinite_tokens")
+
+    m["num_valid_tokens"] = num_tokens
+    m["num_valid_seqs"] = num_seqs
+    m["num_kept_tokens"] = f.sum("num_kept_tokens")
+    m["num_kept_seqs"] = f.sum("num_kept_seqs")
+    m["num_denominator_tokens"] = f.sum("num_denominator_tokens")
+    m["kept_token_fraction"] = _div(m["num_kept_tokens"], num_tokens)
+    m["nonfinite_token_count"] = num_nonfinite
+    m["nonfinite_seq_count"] = f.sum("num_nonfinite_seqs")
+    m["nonfinite_token_fraction"] = _div(num_nonfinite, num_tokens + num_nonfinite)
+
+    m["training_ppl"] = _div(f.sum("training_ppl_sum"), num_seqs)
+    m["training_log_ppl"] = _div(f.sum("training_log_ppl_sum"), num_seqs)
+    m["rollout_ppl"] = _div(f.sum("rollout_ppl_sum"), num_seqs)
+    m["rollout_log_ppl"] = _div(f.sum("rollout_log_ppl_sum"), num_seqs)
+    m["ppl_ratio"] = _div(f.sum("ppl_ratio_sum"), num_seqs)
+    m["log_ppl_diff"] = _div(f.sum("log_ppl_diff_sum"), num_seqs)
+    m["log_ppl_abs_diff"] = _div(f.sum("log_ppl_abs_diff_sum"), num_seqs)
+    m["log_ppl_diff_max"] = f.max("log_ppl_diff_max")
+    m["log_ppl_diff_min"] = f.min("log_ppl_diff_min")
+    m["kl"] = _div(f.sum("kl_sum"), num_tokens)
+    m["k3_kl"] = _div(f.sum("k3_sum"), num_tokens)
+    m["chi2_token"] = _div(f.sum("ratio_sq_sum"), num_tokens) - 1.0 if num_tokens > 0 else 0.0
+    m["chi2_seq"] = _div(f.sum("chi2_seq_sum"), num_seqs) - 1.0 if num_seqs > 0 else 0.0
+    m["token_log_ratio_max"] = f.max("token_log_ratio_max")
+    m["token_log_ratio_min"] = f.min("token_log_ratio_min")
+    token_hist = partials.sums.get("hist:token_log_ratio")
+    for (label, _), value in zip(QUANTILES, _hist_quantiles(token_hist), strict=True):
+        m[f"token_ratio_{label}"] = value
+
+    if cfg.rollout_token_veto_threshold is not None:
+        m["veto_fraction"] = _div(f.sum("num_vetoed_seqs"), num_seqs)
+        m["catastrophic_token_fraction"] = _div(f.sum("num_catastrophic_tokens"), num_tokens)
+    if cfg.rollout_is is not None:
+        _finalize_is(m, f, partials, cfg, num_tokens, num_seqs)
+    if cfg.rejection_criteria:
+        for criterion in cfg.rejection_criteria:
+            _finalize_criterion(m, f, criterion, num_tokens, num_seqs)
+        m["rollout_rs_masked_fraction"] = _div(f.sum("rs_rejected_tokens"), num_tokens)
+        m["rollout_rs_seq_masked_fraction"] = _div(f.sum("rs_rejected_seqs"), num_seqs)
+    return {PREFIX + key: float(value) for key, value in m.items()}
+
+
+def _finalize_is(m: dict[str, float], f: _Finalizer, partials: Partials, cfg: RolloutCorrectionConfig,
+                 num_tokens: float, num_seqs: float) -> None:
+    token_level = cfg.rollout_is == "token"
+    mean = _div(f.sum("is_w_sum"), num_tokens)
+    second = _div(f.sum("is_w2_sum"), num_tokens)
+    m["rollout_is_mean"] = mean
+    m["rollout_is_std"] = math.sqrt(max(second - mean * mean, 0.0))
+    m["rollout_is_eff_sample_size"] = _div(mean * mean, second)
+    if token_level:
+        m["rollout_is_max"], m["rollout_is_min"] = f.max("is_w_max"), f.min("is_w_min")
+        population = num_tokens
+    else:
+        has_seqs = num_seqs > 0
+        m["rollout_is_max"] = math.exp(f.max("is_log_max")) if has_seqs else 0.0
+        m["rollout_is_min"] = math.exp(f.min("is_log_min")) if has_seqs else 0.0
+        population = num_seqs
+    m["rollout_is_ratio_fraction_high"] = _div(f.sum("is_high_count"), population)
+    m["rollout_is_ratio_fraction_low"] = _div(f.sum("is_low_count"), population)
+    seq_stats = _seq_value_stats(f, "is_seq", num_seqs)
+    m["rollout_is_seq_mean"], m["rollout_is_seq_std"] = seq_stats["mean"], seq_stats["std"]
+    m["rollout_is_seq_max"], m["rollout_is_seq_min"] = seq_stats["max"], seq_stats["min"]
+    m["rollout_is_seq_max_deviation"] = (
+        max(abs(seq_stats["max"] - 1.0), abs(seq_stats["min"] - 1.0)) if num_seqs > 0 else 0.0
+    )
+    m["rollout_is_seq_fraction_high"] = _div(f.sum("is_seq_high_count"), num_seqs)
+    m["rollout_is_seq_fraction_low"] = _div(f.sum("is_seq_low_count"), num_seqs)
+    if cfg.rollout_is_mode == "mask":
+        m["rollout_is_masked_fraction"] = _div(f.sum("is_rejected_tokens"), num_tokens)
+        m["rollout_is_oob_ratio"] = m["rollout_is_masked_fraction"]
+    if "batch_norm_factor" in partials.sums:
+        m["rollout_is_batch_norm_factor"] = f.sum("batch_norm_factor")
+
+    raw_hist = partials.sums.get("hist:token_log_ratio" if token_level else "hist:is_raw_log_weight")
+    raw = _hist_quantiles(raw_hist)
+    applied = _applied_quantiles(raw_hist, raw, cfg)
+    for (label, _), raw_value, applied_value in zip(QUANTILES, raw, applied, strict=True):
+        m[f"rollout_is_raw_{label}"] = raw_value
+        m[f"rollout_is_{label}"] = applied_value
+
+
+def _applied_quantiles(hist: Tensor | None, raw: list[float], cfg: RolloutCorrectionConfig) -> list[float]:
+    """Quantiles of the bounded weights, derived from the raw histogram.
+
+    Truncation is monotone, so its quantiles are the truncated raw quantiles. Masking sends
+    the mass outside the bounds to 0.
+    """
+    upper, lower = cfg.rollout_is_threshold, cfg.is_lower
+    if cfg.rollout_is_mode == "truncate":
+        floor = lower if cfg.rollout_is_two_sided else 0.0
+        return [min(max(value, floor), upper) if value > 0 else 0.0 for value in raw]
+    if hist is None:
+        return [0.0] * len(QUANTILES)
+    centers = LogHistogram.centers()
+    inside = (centers >= math.log(lower)) & (centers <= math.log(upper))
+    zero_mass = float(hist[~inside].sum())
+    return LogHistogram.quantiles(torch.where(inside, hist, 0.0), [q for _, q in QUANTILES], zero_count=zero_mass)
+
+
+def _finalize_criterion(m: dict[str, float], f: _Finalizer, criterion: RejectionCriterion, num_tokens: float,
+                        num_seqs: float) -> None:
+    key = f"rs:{criterion.name}:"
+    name = f"rollout_rs_{criterion.name}"
+    population = num_tokens if criterion.is_token_level else num_seqs
+    m[f"{name}_mean"] = _div(f.sum(key + "sum"), num_tokens)
+    m[f"{name}_max"] = f.max(key + "max")
+    m[f"{name}_min"] = f.min(key + "min")
+    m[f"{name}_fraction_high"] = _div(f.sum(key + "high_count"), population)
+    m[f"{name}_fraction_low"] = _div(f.sum(key + "low_count"), population)
+    clamped_mean = _div(f.sum(key + "clamped_sum"), num_tokens)
+    clamped_second = _div(f.sum(key + "clamped_sq_sum"), num_tokens)
+    m[f"{name}_std"] = math.sqrt(max(clamped_second - clamped_mean * clamped_mean, 0.0))
+    seq_stats = _seq_value_stats(f, key + "seq", num_seqs)
+    m[f"{name}_seq_mean"], m[f"{name}_seq_std"] = seq_stats["mean"], seq_stats["std"]
+    m[f"{name}_seq_max"], m[f"{name}_seq_min"] = seq_stats["max"], seq_stats["min"]
+    m[f"{name}_seq_max_deviation"] = max(abs(seq_stats["max"]), abs(seq_stats["min"]))
+    m[f"{name}_seq_fraction_high"] = _div(f.sum(key + "seq_high_count"), num_seqs)
+    m[f"{name}_seq_fraction_low"] = _div(f.sum(key + "seq_low_count"), num_seqs)
+    m[f"{name}_masked_fraction"] = _div(f.sum(key + "rejected_tokens"), num_tokens)
+    m[f"{name}_seq_masked_fraction"] = _div(f.sum(key + "rejected_seqs"), num_seqs)
+
+
+def _seq_value_stats(f: _Finalizer, key: str, num_seqs: float) -> dict[str, float]:
+    """Mean, unbiased std, max and min over sequences of a per-sequence value."""
+    total, squares = f.sum(key + "_sum"), f.sum(key + "_sq_sum")
+    mean = _div(total, num_seqs)
+    variance = (squares - total * mean) / (num_seqs - 1.0) if num_seqs > 1 else 0.0
+    return {"mean": mean, "std": math.sqrt(max(variance, 0.0)), "max": f.max(key + "_max"),
+            "min": f.min(key + "_min")}
+
+
+def _hist_quantiles(hist: Tensor | None) -> list[float]:
+    if hist is None:
+        return [0.0] * len(QUANTILES)
+    return LogHistogram.quantiles(hist, [q for _, q in QUANTILES])
+
+
+def _div(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else 0.0
+
+
+class _Finalizer:
+    """Reads partials as floats in one conversion each; absent or infinite extremes read as 0."""
+
+    def __init__(self, partials: Partials) -> None:
+        self._sums = {k: float(v) for k, v in partials.sums.items() if v.dim() == 0}
+        self._maxs = {k: float(v) for k, v in partials.maxs.items()}
+        self._mins = {k: float(v) for k, v in partials.mins.items()}
+
+    def sum(self, name: str) -> float:
+        return self._sums.get(name, 0.0)
+
+    def max(self, name: str) -> float:
+        value = self._maxs.get(name, 0.0)
+        return value if math.isfinite(value) else 0.0
+
+    def min(self, name: str) -> float:
+        value = self._mins.get(name, 0.0)
+        return value if math.isfinite(value) else 0.0

@@ -1,0 +1,85 @@
+"""Phase 1: per-sequence partial statistics of a row chunk.
+
+Everything a sequence-level decision or metric needs is a per-sequence SUM, MAX or MIN of
+token terms, so a sequence split across context-parallel ranks is handled by reducing these
+`[rows]` vectors over the CP group before phase 2, never by gathering the tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nemo_rollout_correction.core.config import RolloutCorrectionConfig
+from nemo_rollout_correction.core.masking import TokenChunk
+from nemo_rollout_correction.core.rejection import token_rejected
+from nemo_rollout_correction.core.stats import Partials
+from nemo_rollout_correction.core.weights import bound_weights
+
+
+def token_is_weights(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> tuple[Tensor, Tensor | None]:
+    """Bounded token-level IS weights `[rows, seq]` and the mask-mode in-bounds flags (cached)."""
+    if "is_weight" not in tok.cache:
+        weights, in_bounds = bound_weights(tok.ratio, tok.clamped, cfg)
+        tok.cache["is_weight"] = weights
+        if in_bounds is not None:
+            tok.cache["is_in_bounds"] = in_bounds
+    return tok.cache["is_weight"], tok.cache.get("is_in_bounds")
+
+
+def token_rs_rejected(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> dict[str, Tensor]:
+    """Per token-level criterion: valid tokens it rejects, `[rows, seq]` bool (cached)."""
+    out: dict[str, Tensor] = {}
+    for criterion in cfg.rejection_criteria:
+        if criterion.is_token_level:
+            key = f"rs_rejected:{criterion.name}"
+            if key not in tok.cache:
+                tok.cache[key] = token_rejected(tok, criterion)
+            out[criterion.name] = tok.cache[key]
+    return out
+
+
+def _row_sum(x: Tensor) -> Tensor:
+    return x.sum(dim=-1, dtype=torch.float64)
+
+
+def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Partials:
+    """Per-sequence partials `[rows]` of one chunk (float64)."""
+    seq = Partials()
+    valid = tok.valid
+    seq.sums["num_tokens"] = _row_sum(valid)
+    seq.sums["num_nonfinite"] = _row_sum(tok.nonfinite)
+    seq.sums["sum_log_ratio"] = _row_sum(tok.log_ratio)
+    seq.sums["sum_old_logprobs"] = _row_sum(tok.old_valid)
+    seq.sums["sum_rollout_logprobs"] = _row_sum(tok.rollout_valid)
+    seq.sums["sum_k3"] = _row_sum(tok.k3)
+    seq.sums["sum_ratio_sq"] = _row_sum(torch.where(valid, tok.ratio.square(), 0.0))
+
+    statistics = {c.statistic for c in cfg.rejection_criteria}
+    if "k2" in statistics:
+        seq.sums["sum_k2"] = _row_sum(tok.k2)
+    for criterion in cfg.rejection_criteria:
+        # k2/k3 are >= 0 and exactly 0 on invalid tokens, so a plain row max is the valid max.
+        if criterion.granularity == "seq_max" and f"max_{criterion.statistic}" not in seq.maxs:
+            values = tok.k2 if criterion.statistic == "k2" else tok.k3
+            seq.maxs[f"max_{criterion.statistic}"] = values.amax(dim=-1).double()
+
+    if cfg.rollout_token_veto_threshold is not None:
+        seq.mins["min_log_ratio"] = torch.where(valid, tok.clamped, float("inf")).amin(dim=-1).double()
+
+    if cfg.rollout_is == "token":
+        weights, in_bounds = token_is_weights(tok, cfg)
+        seq.sums["sum_token_is_weight"] = _row_sum(torch.where(valid, weights, 0.0))
+        seq.sums["sum_token_raw_weight"] = _row_sum(torch.where(valid, tok.ratio, 0.0))
+        if in_bounds is not None:
+            seq.sums["num_is_rejected"] = _row_sum(valid & ~in_bounds)
+
+    rejected = token_rs_rejected(tok, cfg)
+    any_rejected: Tensor | None = None
+    for name, mask in rejected.items():
+        seq.sums[f"num_rs_rejected:{name}"] = _row_sum(mask)
+        any_rejected = mask if any_rejected is None else any_rejected | mask
+    if any_rejected is not None:
+        tok.cache["rs_rejected_any"] = any_rejected
+        seq.sums["num_rs_token_rejected"] = _row_sum(any_rejected)
+    return seq
