@@ -1,0 +1,344 @@
+"""Per-token policy-gradient losses with the importance-sampling hook.
+
+Each loss returns a ``[batch, seq]`` per-token loss (reduce it with
+:func:`nemo_rollout_correction.core.aggregation.aggregate_loss`) and unreduced partial sums for the
+metrics, so a distributed caller can all-reduce them with the rest of the step's partials.
+
+Conventions (DESIGN.md): ``logprobs`` is pi_theta and carries the gradient; ``old_logprobs`` is
+pi_old; ``is_weights`` are the applied rollout-correction weights and are always detached (decision
+6), while the PPO ratio keeps its gradient. Masked positions give exactly 0 loss and 0 gradient
+even if any input there is NaN/inf: inputs are replaced with ``torch.where`` *before* any
+arithmetic, because a masked NaN that reaches ``exp`` turns into a NaN gradient even when the
+output is masked afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from nemo_rollout_correction.core.aggregation import LOSS_AGG_MODES, LossAggMode, masked_sum, safe_divide
+
+__all__ = [
+    "POLICY_LOSS_TYPES",
+    "PolicyLossConfig",
+    "PolicyLossOutput",
+    "PolicyLossType",
+    "compute_policy_loss",
+    "gspo_loss",
+    "ppo_clip_loss",
+    "reinforce_loss",
+    "stats_to_means",
+]
+
+PolicyLossType = Literal["ppo_clip", "gspo", "reinforce"]
+POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
+
+# Log-ratios are clamped before exp (DESIGN decision 3): an overflow caps instead of becoming inf.
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    """A per-token policy loss and its metric partial sums."""
+
+    per_token_loss: Tensor
+    """``[batch, seq]`` loss per token, 0 at masked positions."""
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    """Detached float64 0-dim partial sums (``*_sum`` and ``num_tokens``); sum them across ranks."""
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Which policy loss to use and how to clip and reduce it."""
+
+    loss_type: PolicyLossType = "ppo_clip"
+    """``ppo_clip`` (PPO, optional dual clip), ``gspo`` (sequence-level ratio) or ``reinforce``."""
+    clip_ratio_low: float = 0.2
+    """eps_low: the ratio is clipped below at ``1 - clip_ratio_low``; in [0, 1)."""
+    clip_ratio_high: float = 0.2
+    """eps_high: the ratio is clipped above at ``1 + clip_ratio_high``; >= 0 (DAPO uses 0.28)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip constant for negative advantages (> 1, typically 3.0); ``None`` disables it."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How the caller reduces the per-token loss; see ``aggregate_loss``."""
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in POLICY_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type must be one of {', '.join(POLICY_LOSS_TYPES)}; got {self.loss_type!r}"
+            )
+        _check_clip_ratios(self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
+        if self.clip_ratio_c is not None and self.loss_type != "ppo_clip":
+            raise ValueError(
+                f"clip_ratio_c (dual clip) only applies to loss_type='ppo_clip'; "
+                f"set it to None for loss_type={self.loss_type!r}"
+            )
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg_mode!r}"
+            )
+
+
+def compute_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+    *,
+    is_weights: Tensor | None = None,
+) -> PolicyLossOutput:
+    """Dispatch to the loss named by ``cfg.loss_type``; all tensors ``[batch, seq]``.
+
+    The result is per-token: reduce it with ``aggregate_loss(out.per_token_loss, mask,
+    cfg.loss_agg_mode, ...)`` and the step's global denominator.
+    """
+    if cfg.loss_type == "ppo_clip":
+        return ppo_clip_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            is_weights=is_weights,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+        )
+    if cfg.loss_type == "gspo":
+        return gspo_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            is_weights=is_weights,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+        )
+    return reinforce_loss(logprobs, advantages, mask, is_weights=is_weights, old_logprobs=old_logprobs)
+
+
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    is_weights: Tensor | None = None,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+) -> PolicyLossOutput:
+    """PPO clipped surrogate per token, optionally dual-clipped, times the detached IS weights.
+
+    ``ratio = exp(clamp(logprobs - old_logprobs, -20, 20))``;
+    ``loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))``;
+    with ``clip_ratio_c`` and ``A < 0`` the loss is further capped at ``-A * clip_ratio_c`` so a huge
+    ratio on a bad token cannot blow up the update (dual-clip PPO).
+
+    Args:
+        logprobs: ``[batch, seq]`` pi_theta, with gradient.
+        old_logprobs: ``[batch, seq]`` pi_old.
+        advantages: ``[batch, seq]`` (see ``advantages.broadcast_to_tokens``).
+        mask: ``[batch, seq]`` keep mask.
+        is_weights: ``[batch, seq]`` rollout-correction weights, detached here; ``None`` means 1.
+
+    Returns:
+        per-token loss and stats ``pg_clipfrac_sum`` (tokens where clipping changed the loss),
+        ``pg_clipfrac_lower_sum`` (tokens where the dual clip bound), ``ppo_kl_sum`` (sum of
+        ``old_logprobs - logprobs``) and ``num_tokens``.
+    """
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    keep, (logprobs, old_logprobs, advantages) = _mask_inputs(
+        mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
+    )
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+    loss, is_clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+    is_dual_clipped = torch.zeros_like(is_clipped)
+    if clip_ratio_c is not None:
+        dual_bound = -advantages * clip_ratio_c
+        is_dual_clipped = (advantages < 0) & (loss > dual_bound)
+        loss = torch.where(is_dual_clipped, dual_bound, loss)
+
+    per_token_loss = _apply_is_weights(loss, is_weights, keep)
+    stats = {
+        "pg_clipfrac_sum": _count(is_clipped & keep),
+        "pg_clipfrac_lower_sum": _count(is_dual_clipped & keep),
+        "ppo_kl_sum": _sum64(-log_ratio, keep),
+        "num_tokens": _count(keep),
+    }
+    return PolicyLossOutput(per_token_loss, stats)
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    is_weights: Tensor | None = None,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    seq_mean_log_ratio: Tensor | None = None,
+) -> PolicyLossOutput:
+    """GSPO: PPO clipping on the sequence-level ratio ``s_i = exp(mean_t(logprobs - old_logprobs))``.
+
+    Per token the ratio is ``exp(logprobs - sg(logprobs) + sg(seq_mean_log_ratio))``: its value is
+    ``s_i`` and its gradient ``s_i * grad(logprobs_t)``, so with ``seq-mean-token-mean`` aggregation
+    the gradient is GSPO's ``s_i * mean_t grad(log pi_t)``.
+
+    Args:
+        logprobs, old_logprobs, advantages, mask, is_weights: as in :func:`ppo_clip_loss`.
+        seq_mean_log_ratio: ``[batch]`` precomputed masked mean of ``logprobs - old_logprobs`` per
+            sequence. A context-parallel caller must pass it (per-sequence sums and counts
+            all-reduced over cp), because each cp rank only sees part of a sequence. ``None``:
+            computed from the local tokens.
+
+    Returns:
+        per-token loss and stats as :func:`ppo_clip_loss` (clip fraction counted per token;
+        ``pg_clipfrac_lower_sum`` is always 0).
+    """
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high, None)
+    keep, (logprobs, old_logprobs, advantages) = _mask_inputs(
+        mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
+    )
+    log_ratio = logprobs - old_logprobs
+    if seq_mean_log_ratio is None:
+        num_seq_tokens = keep.sum(dim=-1).to(log_ratio.dtype)
+        seq_mean_log_ratio = safe_divide(log_ratio.sum(dim=-1), num_seq_tokens)
+    elif seq_mean_log_ratio.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"seq_mean_log_ratio must be [batch] = {tuple(logprobs.shape[:1])}, "
+            f"got {tuple(seq_mean_log_ratio.shape)}"
+        )
+
+    log_seq_ratio = logprobs - logprobs.detach() + seq_mean_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(log_seq_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    loss, is_clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+
+    per_token_loss = _apply_is_weights(loss, is_weights, keep)
+    stats = {
+        "pg_clipfrac_sum": _count(is_clipped & keep),
+        "pg_clipfrac_lower_sum": _count(torch.zeros_like(keep)),
+        "ppo_kl_sum": _sum64(-log_ratio, keep),
+        "num_tokens": _count(keep),
+    }
+    return PolicyLossOutput(per_token_loss, stats)
+
+
+def reinforce_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    is_weights: Tensor | None = None,
+    old_logprobs: Tensor | None = None,
+) -> PolicyLossOutput:
+    """Off-policy REINFORCE, no clipping: ``-sg(w) * A * logprobs`` per token.
+
+    With ``w = pi_theta / pi_rollout`` (detached) this is the pure-IS estimator; ``w = 1`` is plain
+    REINFORCE.
+
+    Args:
+        logprobs, advantages, mask, is_weights: as in :func:`ppo_clip_loss`.
+        old_logprobs: optional ``[batch, seq]``, used only for the ``ppo_kl_sum`` metric.
+
+    Returns:
+        per-token loss and stats with the same keys as :func:`ppo_clip_loss` (clip counts are 0;
+        ``ppo_kl_sum`` only when ``old_logprobs`` is given).
+    """
+    inputs = {"logprobs": logprobs, "advantages": advantages}
+    if old_logprobs is not None:
+        inputs["old_logprobs"] = old_logprobs
+    keep, masked = _mask_inputs(mask, **inputs)
+    logprobs, advantages = masked[0], masked[1]
+
+    per_token_loss = _apply_is_weights(-advantages * logprobs, is_weights, keep)
+    no_clip = torch.zeros_like(keep)
+    stats = {"pg_clipfrac_sum": _count(no_clip), "pg_clipfrac_lower_sum": _count(no_clip)}
+    if old_logprobs is not None:
+        stats["ppo_kl_sum"] = _sum64(masked[2] - logprobs, keep)
+    stats["num_tokens"] = _count(keep)
+    return PolicyLossOutput(per_token_loss, stats)
+
+
+def stats_to_means(stats: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Turn (already reduced) partial sums into per-token means, for single-process use.
+
+    ``"<name>_sum"`` becomes ``"<name>" = sum / num_tokens`` (0.0 when there are no tokens);
+    ``num_tokens`` is passed through. Example: ``pg_clipfrac_sum`` -> ``pg_clipfrac``.
+    """
+    if "num_tokens" not in stats:
+        raise ValueError(f"stats need a 'num_tokens' entry to divide by; got keys {sorted(stats)}")
+    num_tokens = stats["num_tokens"]
+    means = {"num_tokens": num_tokens}
+    for name, value in stats.items():
+        if name.endswith("_sum"):
+            means[name.removesuffix("_sum")] = safe_divide(value, num_tokens.to(value.dtype))
+    return means
+
+
+def _check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None) -> None:
+    # Written as "not (ok)" so that NaN fails every check.
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(
+            f"clip_ratio_low must be in [0, 1) so that 1 - clip_ratio_low > 0; got {clip_ratio_low}"
+        )
+    if not clip_ratio_high >= 0.0:
+        raise ValueError(f"clip_ratio_high must be >= 0; got {clip_ratio_high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None; got {clip_ratio_c}")
+
+
+def _mask_inputs(mask: Tensor, **tensors: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Check shapes and zero every input at masked positions (before any arithmetic)."""
+    first_name, first = next(iter(tensors.items()))
+    if first.dim() != 2:
+        raise ValueError(f"{first_name} must be [batch, seq], got shape {tuple(first.shape)}")
+    for name, tensor in tensors.items():
+        if tensor.shape != first.shape:
+            hint = " (see broadcast_to_tokens for [batch] advantages)" if name == "advantages" else ""
+            raise ValueError(
+                f"{name} shape {tuple(tensor.shape)} does not match {first_name} shape "
+                f"{tuple(first.shape)}{hint}"
+            )
+    if mask.shape != first.shape:
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} does not match {first_name} shape {tuple(first.shape)}"
+        )
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    return keep, [torch.where(keep, t, torch.zeros_like(t)) for t in tensors.values()]
+
+
+def _clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, clip_ratio_low: float, clip_ratio_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic ``max(-A * r, -A * clip(r))`` and where the clipped term won."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _apply_is_weights(loss: Tensor, is_weights: Tensor | None, keep: Tensor) -> Tensor:
+    """Multiply by the detached IS weights and zero the masked positions."""
+    if is_weights is not None:
+        if is_weights.shape != loss.shape:
+            raise ValueError(f"is_weights shape {tuple(is_weights.shape)} does not match {tuple(loss.shape)}")
+        # Replace masked weights first: 0 * inf in the product would be NaN in the gradient.
+        weights = torch.where(keep, is_weights.detach(), torch.ones_like(is_weights))
+        loss = loss * weights
+    return torch.where(keep, loss, torch.zeros_like(loss))
+
+
+def _count(flags: Tensor) -> Tensor:
+    return flags.sum().to(torch.float64)
+
+
+def _sum64(values: Tensor, keep: Tensor) -> Tensor:
+    # float64 partial sums stay exact for counts and accurate for long batches once all-reduced.
+    return masked_sum(values.detach().to(torch.float64), keep)
