@@ -73,7 +73,7 @@ class RolloutCorrectionConfig:
     """
 
     rollout_is: IsLevel | None = None
-    """IS level: `token`, `sequence` (product of token ratios) or `geometric` (length-normalised); None = no IS weights."""
+    """IS level: `token`, `sequence` (product of ratios) or `geometric` (length-normalised); None = no IS."""
 
     rollout_is_mode: IsMode = "truncate"
     """`truncate` (TIS: min(rho, upper)) or `mask` (MIS/IcePop: rho outside [lower, upper] is rejected)."""
@@ -94,7 +94,8 @@ class RolloutCorrectionConfig:
     """Rejection criteria, comma separated, combined with AND (e.g. `token_k1,seq_mean_k3`); None = off."""
 
     rollout_rs_threshold: str | float | None = None
-    """Thresholds, one per criterion or one shared: k1 takes `lower_upper` or `upper` (lower = 1/upper) as ratio bounds; k2/k3 take an upper bound."""
+    """Thresholds, one per criterion or one shared: k1 takes ratio bounds `lower_upper` or `upper` (lower =
+    1/upper); k2/k3 take an upper bound on the divergence."""
 
     rollout_token_veto_threshold: float | None = None
     """Reject a whole sequence if any token ratio is below this (e.g. 1e-4); None = no veto."""

@@ -94,11 +94,17 @@ def compute_rollout_correction(
     old_logprobs, rollout_logprobs = old_logprobs.detach(), rollout_logprobs.detach()
     outputs = _allocate_outputs(old_logprobs)
     partials = Partials()
+    seq_parts: list[Partials] = []
+    decision_parts: list[dict[str, Tensor]] = []
     for start, stop in _row_chunks(old_logprobs):
         tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop])
         seq = chunk_sequence_partials(tok, cfg)
         _check_nonfinite_raise(seq, cfg, start)
-        partials.merge(_finish_chunk(tok, seq, cfg, outputs, start, stop, owns_sequences=True))
+        token_partials, decisions = _finish_chunk(tok, seq, cfg, outputs, start, stop)
+        partials.merge(token_partials)
+        seq_parts.append(seq)
+        decision_parts.append(decisions)
+    partials.merge(sequence_metric_partials(Partials.concat(seq_parts), cfg, _concat_decisions(decision_parts)))
     return _complete(outputs, partials, cfg, is_weight_mean)
 
 
@@ -142,10 +148,14 @@ def finish_correction(
     old_logprobs, rollout_logprobs = old_logprobs.detach(), rollout_logprobs.detach()
     outputs = _allocate_outputs(old_logprobs)
     partials = Partials()
+    decision_parts: list[dict[str, Tensor]] = []
     for start, stop in _row_chunks(old_logprobs):
         tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop])
-        partials.merge(_finish_chunk(tok, seq.slice_rows(start, stop), cfg, outputs, start, stop,
-                                     owns_sequences=owns_sequences))
+        token_partials, decisions = _finish_chunk(tok, seq.slice_rows(start, stop), cfg, outputs, start, stop)
+        partials.merge(token_partials)
+        decision_parts.append(decisions)
+    if owns_sequences:
+        partials.merge(sequence_metric_partials(seq, cfg, _concat_decisions(decision_parts)))
     return _complete(outputs, partials, cfg, is_weight_mean)
 
 
@@ -223,6 +233,12 @@ def _check_nonfinite_fraction(partials: Partials, cfg: RolloutCorrectionConfig) 
         )
 
 
+def _concat_decisions(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    if not parts:
+        return {"keep": torch.zeros(0, dtype=torch.bool), "rs_any": torch.zeros(0, dtype=torch.bool)}
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+
 def _finish_chunk(
     tok: TokenChunk,
     seq: Partials,
@@ -230,17 +246,19 @@ def _finish_chunk(
     outputs: dict[str, Tensor],
     start: int,
     stop: int,
-    *,
-    owns_sequences: bool,
-) -> Partials:
-    """Decisions, outputs and metric partials for rows `[start, stop)`."""
+) -> tuple[Partials, dict[str, Tensor]]:
+    """Decisions, outputs and token-local metric partials for rows `[start, stop)`.
+
+    Returns the token partials and the per-sequence decisions `[rows]` that the per-sequence
+    metric partials are later computed from (once per batch, by the owning rank).
+    """
     num_tokens = seq.sums["num_tokens"]
     has_tokens = num_tokens > 0
     apply = not cfg.metrics_only
 
     # -- sequence-level decisions ----------------------------------------------------------
     decisions: dict[str, Tensor] = {}
-    usable = has_tokens.clone()
+    usable = has_tokens.clone()  # sequences whose tokens may reach the loss at all
     if cfg.nonfinite_policy == "reject_sequence":
         decisions["nonfinite"] = seq.sums["num_nonfinite"] > 0
         usable &= ~decisions["nonfinite"]
@@ -271,32 +289,45 @@ def _finish_chunk(
             seq_keep &= ~decisions["is_rejected"]
     decisions["keep"] = seq_keep
 
-    # -- token-level keep mask and weights ---------------------------------------------------
+    # -- token-level keep mask (bool for the output, float 0/1 for cheap arithmetic) ----------
     keep = tok.valid & seq_keep.unsqueeze(-1)
     token_weight: Tensor | None = None
+    token_rejected: Tensor | None = None
     if cfg.rollout_is == "token":
         token_weight, token_in_bounds = token_is_weights(tok, cfg)
-        if apply and token_in_bounds is not None:
-            keep &= token_in_bounds
-    if apply and "rs_rejected_any" in tok.cache:
-        keep &= ~tok.cache["rs_rejected_any"]
-    outputs["keep_mask"][start:stop] = keep
+        if token_in_bounds is not None:
+            token_rejected = ~token_in_bounds
+    if "rs_rejected_any" in tok.cache:
+        rs_rejected = tok.cache["rs_rejected_any"]
+        token_rejected = rs_rejected if token_rejected is None else token_rejected | rs_rejected
     weights_out = outputs["is_weights"][start:stop]
-    if apply and token_weight is not None:
-        weights_out.copy_(token_weight).masked_fill_(~keep, 0.0)
-    elif apply and seq_weight is not None:
-        weights_out.copy_(seq_weight.unsqueeze(-1).expand_as(weights_out)).masked_fill_(~keep, 0.0)
+    if apply and token_rejected is not None:
+        keep &= ~token_rejected
+        keep_f = keep.float()
+    elif (apply and cfg.rollout_is is not None) or bool(seq_keep.all()):
+        keep_f = tok.valid_f if bool(seq_keep.all()) else tok.valid_f * seq_keep.float().unsqueeze(-1)
     else:
-        weights_out.copy_(keep)
+        # No IS weights: the output weights are the float keep mask itself.
+        keep_f = torch.mul(tok.valid_f, seq_keep.float().unsqueeze(-1), out=weights_out)
+    outputs["keep_mask"][start:stop] = keep
+
+    if apply and token_weight is not None:
+        torch.mul(token_weight, keep_f, out=weights_out)
+    elif apply and seq_weight is not None:
+        torch.mul(keep_f, seq_weight.float().unsqueeze(-1), out=weights_out)
+    elif keep_f is not weights_out:
+        weights_out.copy_(keep_f)
+
+    partials = token_metric_partials(tok, cfg, keep, weights_out, decisions)
+    num_kept = keep_f.sum().double()
+    partials.add_sum("num_kept_tokens", num_kept)
     if cfg.rejected_tokens_in_denominator:
         outputs["denominator_mask"][start:stop] = tok.valid & usable.unsqueeze(-1)
+        partials.add_sum("num_denominator_tokens", (tok.valid_f * usable.float().unsqueeze(-1)).sum().double())
     else:
         outputs["denominator_mask"][start:stop] = keep
-
-    partials = token_metric_partials(tok, cfg, keep, outputs["denominator_mask"][start:stop], decisions)
-    if owns_sequences:
-        partials.merge(sequence_metric_partials(seq, cfg, decisions))
-    return partials
+        partials.add_sum("num_denominator_tokens", num_kept)
+    return partials, decisions
 
 
 def _sequence_log_weight(seq: Partials, cfg: RolloutCorrectionConfig) -> Tensor:

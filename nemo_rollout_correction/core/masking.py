@@ -50,58 +50,64 @@ def validate_inputs(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: T
 
 
 class TokenChunk:
-    """Token-level views of rows `[start, stop)`, computed lazily and at most once.
+    """Token-level views of one row chunk `[rows, seq]`, computed lazily and at most once.
 
-    Shapes are `[rows, seq]`. `log_ratio` = old_logprobs - rollout_logprobs on valid tokens
-    and 0 elsewhere; `clamped` is the same clamped to +-LOG_RATIO_BOUND; `ratio` = exp(clamped).
+    `log_ratio` = old_logprobs - rollout_logprobs on valid tokens and 0 elsewhere; `clamped`
+    is that clamped to +-LOG_RATIO_BOUND; `ratio` = exp(clamped) (exactly 1 on invalid tokens).
+
+    Masking uses float 0/1 multiplications, which are several times cheaper than boolean
+    `torch.where` on CPU. That is only safe when every value is finite (NaN * 0 = NaN), so a
+    chunk whose log-ratios do not all sum to a finite number takes the exact `torch.where`
+    path instead (DESIGN.md decision 4).
     """
 
     def __init__(self, old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor) -> None:
-        self.old = old_logprobs.float()
-        self.rollout = rollout_logprobs.float()
         self.loss = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
+        self.numel = self.loss.numel()
         self.cache: dict[str, Tensor] = {}
         """Config-dependent token tensors shared by the two phases of one chunk."""
+        old, rollout = old_logprobs.float(), rollout_logprobs.float()
+        raw = old - rollout
+        # One cheap reduction decides the path: any NaN/inf anywhere makes the sum non-finite.
+        self.all_finite = bool(torch.isfinite(raw.sum()))
+        if self.all_finite:
+            self.valid = self.loss
+            self.valid_f = self.loss.float()
+            self.nonfinite: Tensor | None = None
+            self.log_ratio = raw.mul_(self.valid_f)
+            self.rollout_valid = rollout * self.valid_f
+        else:
+            finite = torch.isfinite(raw)
+            self.valid = self.loss & finite
+            self.valid_f = self.valid.float()
+            self.nonfinite = self.loss & ~finite
+            self.log_ratio = torch.where(self.valid, raw, 0.0)
+            self.rollout_valid = torch.where(self.valid, rollout, 0.0)
 
     @cached_property
-    def finite(self) -> Tensor:
-        """Both logprobs finite, `[rows, seq]` bool."""
-        return torch.isfinite(self.old) & torch.isfinite(self.rollout)
-
-    @cached_property
-    def valid(self) -> Tensor:
-        """Loss token with finite logprobs, `[rows, seq]` bool."""
-        return self.loss & self.finite
-
-    @cached_property
-    def nonfinite(self) -> Tensor:
-        """Loss token with a NaN/inf logprob, `[rows, seq]` bool."""
-        return self.loss & ~self.finite
-
-    @cached_property
-    def old_valid(self) -> Tensor:
-        """old_logprobs on valid tokens, 0 elsewhere."""
-        return torch.where(self.valid, self.old, 0.0)
-
-    @cached_property
-    def rollout_valid(self) -> Tensor:
-        """rollout_logprobs on valid tokens, 0 elsewhere."""
-        return torch.where(self.valid, self.rollout, 0.0)
-
-    @cached_property
-    def log_ratio(self) -> Tensor:
-        """log rho = old - rollout on valid tokens, 0 elsewhere."""
-        return self.old_valid - self.rollout_valid
+    def num_invalid(self) -> int:
+        """Positions of the chunk that are not valid tokens."""
+        return self.numel - int(self.valid_f.sum())
 
     @cached_property
     def clamped(self) -> Tensor:
-        """log rho clamped to +-LOG_RATIO_BOUND."""
+        """log rho clamped to +-LOG_RATIO_BOUND (0 on invalid tokens)."""
         return self.log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+    @cached_property
+    def expm1(self) -> Tensor:
+        """rho - 1 = expm1(clamped), accurate for the tiny mismatches of a healthy run (0 on invalid)."""
+        return torch.expm1(self.clamped)
 
     @cached_property
     def ratio(self) -> Tensor:
         """rho = exp(clamped log rho); exactly 1 on invalid tokens."""
-        return torch.exp(self.clamped)
+        return self.expm1 + 1.0
+
+    @cached_property
+    def pad(self) -> Tensor:
+        """0 on valid tokens and -1e4 elsewhere: `x + pad` / `x - pad` hide invalid tokens from max / min."""
+        return (self.valid_f - 1.0).mul_(1e4)
 
     @cached_property
     def k2(self) -> Tensor:
@@ -111,4 +117,4 @@ class TokenChunk:
     @cached_property
     def k3(self) -> Tensor:
         """k3 = rho - 1 - log rho per token (0 on invalid tokens); >= 0."""
-        return (self.ratio - 1.0).sub_(self.clamped)
+        return self.expm1 - self.clamped

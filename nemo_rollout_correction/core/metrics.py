@@ -31,7 +31,7 @@ _POS_INF = float("inf")
 
 
 def _count(mask: Tensor) -> Tensor:
-    return mask.sum(dtype=torch.float64)
+    return mask.sum().double()
 
 
 def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
@@ -46,8 +46,24 @@ def _masked_min(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, _POS_INF).min()
 
 
+def _valid_extremes(tok: TokenChunk, values: Tensor, invalid_value: float) -> tuple[Tensor, Tensor] | None:
+    """(max, min) of `values` over valid tokens, where invalid tokens hold exactly `invalid_value`.
+
+    A plain aminmax is exact whenever the max lies above (the min below) the invalid filler,
+    since only a valid token can produce it; otherwise fall back to padding. None if no valid token.
+    """
+    if tok.num_invalid >= tok.numel:
+        return None
+    low, high = torch.aminmax(values)
+    if tok.num_invalid and not float(high) > invalid_value:
+        high = (values + tok.pad).amax()
+    if tok.num_invalid and not float(low) < invalid_value:
+        low = (values - tok.pad).amin()
+    return high, low
+
+
 def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, values, 0.0).sum(dtype=torch.float64)
+    return torch.where(mask, values, 0.0).sum().double()
 
 
 # ---- token-local partials (every rank) --------------------------------------------------------
@@ -57,30 +73,40 @@ def token_metric_partials(
     tok: TokenChunk,
     cfg: RolloutCorrectionConfig,
     keep: Tensor,
-    denominator: Tensor,
+    kept_weights: Tensor,
     decisions: dict[str, Tensor],
 ) -> Partials:
-    """Metric partials that only need this rank's tokens of rows in one chunk."""
+    """Metric partials that only need this rank's tokens of one chunk.
+
+    keep: `[rows, seq]` bool keep mask; kept_weights: `[rows, seq]` the IS weights written out
+    (0 outside keep; 1 on kept tokens when no IS applies), before any batch normalisation.
+    """
     out = Partials()
     valid = tok.valid
-    out.add_sum("num_kept_tokens", _count(keep))
-    out.add_sum("num_denominator_tokens", _count(denominator))
-    out.add_sum("hist:token_log_ratio", LogHistogram.count(tok.clamped, valid))
-    out.add_max("token_log_ratio_max", _masked_max(tok.clamped, valid))
-    out.add_min("token_log_ratio_min", _masked_min(tok.clamped, valid))
+    out.add_sum("hist:token_log_ratio", LogHistogram.count(tok.clamped, tok.num_invalid))
+    extremes = _valid_extremes(tok, tok.clamped, 0.0)
+    if extremes is not None:
+        out.add_max("token_log_ratio_max", extremes[0])
+        out.add_min("token_log_ratio_min", extremes[1])
 
     if cfg.rollout_token_veto_threshold is not None:
+        # The veto threshold is a ratio below 1, so the 0 log-ratio of invalid tokens never counts.
         catastrophic = tok.clamped < math.log(cfg.rollout_token_veto_threshold)
-        out.add_sum("num_catastrophic_tokens", _count(catastrophic & valid))
+        out.add_sum("num_catastrophic_tokens", _count(catastrophic))
 
     if cfg.rollout_is == "token":
         weights, _ = token_is_weights(tok, cfg)
-        out.add_sum("is_w2_sum", _masked_sum(weights.square(), valid))
-        out.add_max("is_w_max", _masked_max(weights, valid))
-        out.add_min("is_w_min", _masked_min(weights, valid))
+        valid_weights = tok.cache["valid_is_weight"]
+        out.add_sum("is_w2_sum", torch.linalg.vector_norm(valid_weights).double().square())
+        # Invalid tokens have rho = 1, which the bound maps to itself or (two-sided) to `lower`.
+        filler = min(max(1.0, cfg.is_lower if cfg.rollout_is_two_sided else 0.0), cfg.rollout_is_threshold)
+        extremes = _valid_extremes(tok, weights, filler if cfg.rollout_is_mode == "truncate" else 1.0)
+        if extremes is not None:
+            out.add_max("is_w_max", extremes[0])
+            out.add_min("is_w_min", extremes[1])
         out.add_sum("is_high_count", _count((tok.clamped > math.log(cfg.rollout_is_threshold)) & valid))
         out.add_sum("is_low_count", _count((tok.clamped < math.log(cfg.is_lower)) & valid))
-        out.add_sum("is_weight_kept_sum", _masked_sum(weights, keep))
+        out.add_sum("is_weight_kept_sum", kept_weights.sum().double())
         out.add_sum("is_weight_kept_count", _count(keep))
 
     for criterion in cfg.rejection_criteria:
@@ -96,17 +122,18 @@ def token_metric_partials(
 
 def _token_criterion_partials(out: Partials, tok: TokenChunk, criterion: RejectionCriterion) -> None:
     key = f"rs:{criterion.name}:"
-    valid = tok.valid
     stat = token_statistic(tok, criterion)
     low, high = statistic_bounds(criterion)
-    out.add_max(key + "max", _masked_max(stat, valid))
-    out.add_min(key + "min", _masked_min(stat, valid))
-    high_count, low_count = _outside_counts(stat, criterion, valid)
+    extremes = _valid_extremes(tok, stat, 0.0)
+    if extremes is not None:
+        out.add_max(key + "max", extremes[0])
+        out.add_min(key + "min", extremes[1])
+    high_count, low_count = _outside_counts(stat, criterion, tok.valid)
     out.add_sum(key + "high_count", high_count)
     out.add_sum(key + "low_count", low_count)
-    clamped = stat.clamp(low, high)
-    out.add_sum(key + "clamped_sum", _masked_sum(clamped, valid))
-    out.add_sum(key + "clamped_sq_sum", _masked_sum(clamped.square(), valid))
+    clamped = stat.clamp(low, high).mul_(tok.valid_f)
+    out.add_sum(key + "clamped_sum", clamped.sum().double())
+    out.add_sum(key + "clamped_sq_sum", torch.linalg.vector_norm(clamped).double().square())
 
 
 def _outside_counts(stat: Tensor, criterion: RejectionCriterion, mask: Tensor) -> tuple[Tensor, Tensor]:

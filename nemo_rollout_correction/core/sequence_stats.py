@@ -40,24 +40,40 @@ def token_rs_rejected(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> dict[str
 
 
 def _row_sum(x: Tensor) -> Tensor:
-    return x.sum(dim=-1, dtype=torch.float64)
+    # Sum in the native dtype (bool -> int64 exact counts, float32 with torch's cascade summation)
+    # and widen the [rows] result: `sum(dtype=float64)` would first copy the whole chunk to float64.
+    return x.sum(dim=-1).double()
+
+
+def _row_sum_sq(x: Tensor) -> Tensor:
+    # One fused pass instead of square-then-sum.
+    norm: Tensor = torch.linalg.vector_norm(x, dim=-1)
+    return norm.double().square()
 
 
 def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Partials:
     """Per-sequence partials `[rows]` of one chunk (float64)."""
     seq = Partials()
-    valid = tok.valid
-    seq.sums["num_tokens"] = _row_sum(valid)
-    seq.sums["num_nonfinite"] = _row_sum(tok.nonfinite)
-    seq.sums["sum_log_ratio"] = _row_sum(tok.log_ratio)
-    seq.sums["sum_old_logprobs"] = _row_sum(tok.old_valid)
-    seq.sums["sum_rollout_logprobs"] = _row_sum(tok.rollout_valid)
+    num_tokens = _row_sum(tok.valid_f)
+    seq.sums["num_tokens"] = num_tokens
+    if tok.nonfinite is None:
+        seq.sums["num_nonfinite"] = torch.zeros_like(num_tokens)
+    else:
+        seq.sums["num_nonfinite"] = _row_sum(tok.nonfinite)
+    sum_log_ratio = _row_sum(tok.log_ratio)
+    sum_rollout = _row_sum(tok.rollout_valid)
+    seq.sums["sum_log_ratio"] = sum_log_ratio
+    seq.sums["sum_rollout_logprobs"] = sum_rollout
+    seq.sums["sum_old_logprobs"] = sum_rollout + sum_log_ratio
     seq.sums["sum_k3"] = _row_sum(tok.k3)
-    seq.sums["sum_ratio_sq"] = _row_sum(torch.where(valid, tok.ratio.square(), 0.0))
+    # sum rho^2 = sum (rho - 1)^2 + 2 sum (rho - 1) + n, with rho - 1 = 0 on invalid tokens.
+    sum_expm1 = _row_sum(tok.expm1)
+    tok.cache["row_sum_expm1"] = sum_expm1
+    seq.sums["sum_ratio_sq"] = _row_sum_sq(tok.expm1) + 2.0 * sum_expm1 + num_tokens
 
     statistics = {c.statistic for c in cfg.rejection_criteria}
     if "k2" in statistics:
-        seq.sums["sum_k2"] = _row_sum(tok.k2)
+        seq.sums["sum_k2"] = 0.5 * _row_sum_sq(tok.clamped)
     for criterion in cfg.rejection_criteria:
         # k2/k3 are >= 0 and exactly 0 on invalid tokens, so a plain row max is the valid max.
         if criterion.granularity == "seq_max" and f"max_{criterion.statistic}" not in seq.maxs:
@@ -65,14 +81,16 @@ def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Pa
             seq.maxs[f"max_{criterion.statistic}"] = values.amax(dim=-1).double()
 
     if cfg.rollout_token_veto_threshold is not None:
-        seq.mins["min_log_ratio"] = torch.where(valid, tok.clamped, float("inf")).amin(dim=-1).double()
+        seq.mins["min_log_ratio"] = (tok.clamped - tok.pad).amin(dim=-1).double()
 
     if cfg.rollout_is == "token":
         weights, in_bounds = token_is_weights(tok, cfg)
-        seq.sums["sum_token_is_weight"] = _row_sum(torch.where(valid, weights, 0.0))
-        seq.sums["sum_token_raw_weight"] = _row_sum(torch.where(valid, tok.ratio, 0.0))
+        valid_weights = weights * tok.valid_f
+        tok.cache["valid_is_weight"] = valid_weights
+        seq.sums["sum_token_is_weight"] = _row_sum(valid_weights)
+        seq.sums["sum_token_raw_weight"] = sum_expm1 + num_tokens
         if in_bounds is not None:
-            seq.sums["num_is_rejected"] = _row_sum(valid & ~in_bounds)
+            seq.sums["num_is_rejected"] = _row_sum(tok.valid & ~in_bounds)
 
     rejected = token_rs_rejected(tok, cfg)
     any_rejected: Tensor | None = None
