@@ -1,0 +1,157 @@
+"""`nrc`: the command-line entry point.
+
+Subcommands:
+  nrc demo      every preset applied to generated rollouts with a real bf16-vs-fp32 mismatch
+  nrc presets   list the presets and their resolved fields
+
+The GRPO trainer (`nrc train`) and `nrc audit` arrive with later issues; until then `nrc demo`
+is the main job that README.md runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from nemo_rollout_correction import RolloutCorrectionConfig, __version__, compute_rollout_correction
+
+# The columns of the demo table: (header, metric key without the rollout_corr/ prefix).
+_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("kept", "kept_token_fraction"),
+    ("is_mean", "rollout_is_mean"),
+    ("is_p99", "rollout_is_p99"),
+    ("ess", "rollout_is_eff_sample_size"),
+    ("rs_masked", "rollout_rs_masked_fraction"),
+    ("kl", "kl"),
+    ("chi2_tok", "chi2_token"),
+)
+
+
+def generate_rollouts(batch: int, seq: int, vocab: int, seed: int, num_nan: int) -> dict[str, torch.Tensor]:
+    """Rollouts whose mismatch is real numerics, not injected noise.
+
+    The "rollout engine" samples tokens from bf16 logits and reports bf16 log-softmax
+    logprobs; the "trainer" re-scores the same tokens from the same logits in fp32. Response
+    lengths vary per row (right padding), and `num_nan` rollout logprobs are NaN, as vLLM
+    occasionally returns.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, seq, vocab, generator=gen) * 3.0
+    rollout_logp_all = torch.log_softmax(logits.bfloat16(), dim=-1).float()
+    tokens = torch.multinomial(rollout_logp_all.exp().reshape(-1, vocab), 1, generator=gen).reshape(batch, seq)
+    rollout_logprobs = rollout_logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    old_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    lengths = torch.randint(max(1, seq // 4), seq + 1, (batch,), generator=gen)
+    loss_mask = torch.arange(seq).unsqueeze(0) < lengths.unsqueeze(1)
+    if num_nan:
+        rows = torch.randint(0, batch, (num_nan,), generator=gen)
+        rollout_logprobs[rows, 0] = float("nan")
+    return {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask}
+
+
+def _format_row(name: str, metrics: dict[str, float], millis: float) -> str:
+    cells = [f"{name:<28}"]
+    for header, key in _COLUMNS:
+        value = metrics.get(f"rollout_corr/{key}")
+        cells.append(f"{'-':>{max(len(header), 9)}}" if value is None else f"{value:>{max(len(header), 9)}.4g}")
+    cells.append(f"{millis:>8.1f}")
+    return " ".join(cells)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """`nrc demo`: run presets on generated rollouts and print a comparison table."""
+    names = args.preset or RolloutCorrectionConfig.preset_names()
+    unknown = [n for n in names if n not in RolloutCorrectionConfig.preset_names()]
+    if unknown:
+        print(f"nrc demo: unknown preset(s) {unknown}; valid: {RolloutCorrectionConfig.preset_names()}",
+              file=sys.stderr)
+        return 2
+    print(f"nrc demo (nemo_rollout_correction {__version__}): generated data, not a training run")
+    print(f"generating {args.batch} x {args.seq} rollouts (vocab {args.vocab}): bf16 rollout engine vs fp32 "
+          f"trainer, {args.nan} NaN rollout logprob(s) injected ...", flush=True)
+    data = generate_rollouts(args.batch, args.seq, args.vocab, args.seed, args.nan)
+    header = " ".join([f"{'preset':<28}", *(f"{h:>{max(len(h), 9)}}" for h, _ in _COLUMNS), f"{'ms':>8}"])
+    print(header)
+    print("-" * len(header))
+    results: dict[str, dict[str, float]] = {}
+    for name in names:
+        cfg = RolloutCorrectionConfig.from_preset(name)
+        start = time.perf_counter()
+        out = compute_rollout_correction(data["old_logprobs"], data["rollout_logprobs"], data["loss_mask"], cfg)
+        millis = (time.perf_counter() - start) * 1e3
+        results[name] = out.metrics
+        print(_format_row(name, out.metrics, millis), flush=True)
+    first = results[names[0]]
+    print(f"\nnon-finite rollout logprobs: {first['rollout_corr/nonfinite_token_count']:.0f} token(s) in "
+          f"{first['rollout_corr/nonfinite_seq_count']:.0f} sequence(s), kept out of every loss "
+          "(nonfinite_policy=reject_sequence)")
+    if args.show_metrics:
+        print(f"\nall metrics for preset {names[0]!r}:")
+        for key, value in sorted(first.items()):
+            print(f"  {key:<52} {value:.6g}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, sort_keys=True))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def run_presets(args: argparse.Namespace) -> int:
+    """`nrc presets`: list every preset with its non-default fields."""
+    defaults = RolloutCorrectionConfig().to_dict()
+    for name in RolloutCorrectionConfig.preset_names():
+        fields = RolloutCorrectionConfig.from_preset(name).to_dict()
+        changed = {k: v for k, v in fields.items() if v != defaults[k]}
+        print(f"{name:<28} {changed if changed else '(defaults: metrics only, nothing applied)'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `nrc` argument parser."""
+    parser = argparse.ArgumentParser(prog="nrc", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"nemo_rollout_correction {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="apply the presets to generated rollouts with a bf16/fp32 mismatch")
+    demo.add_argument("--preset", action="append", help="preset to run (repeatable; default: all)")
+    demo.add_argument("--batch", type=_positive_int, default=64, help="sequences (default 64)")
+    demo.add_argument("--seq", type=_positive_int, default=512, help="response length (default 512)")
+    demo.add_argument("--vocab", type=_positive_int, default=1024, help="vocabulary size (default 1024)")
+    demo.add_argument("--nan", type=_non_negative_int, default=2, help="NaN rollout logprobs to inject (default 2)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--show-metrics", action="store_true", help="print every metric of the first preset")
+    demo.add_argument("--json", metavar="PATH", help="also write all metrics of all presets as JSON")
+    demo.set_defaults(func=run_demo)
+
+    presets = sub.add_parser("presets", help="list the presets and their fields")
+    presets.set_defaults(func=run_presets)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `nrc`; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

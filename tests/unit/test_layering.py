@@ -1,0 +1,57 @@
+"""core/ is pure torch math: no torch.distributed (not even by attribute access), no framework imports.
+
+import-linter (pyproject.toml) checks the layer order and the forbidden top-level packages; it
+cannot forbid a subpackage of an external package, and an attribute chain such as
+`torch.distributed.all_reduce(...)` needs no import at all (that is how a hidden WORLD
+all-reduce slips into the math). This test walks the syntax tree of every core module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+CORE = Path(__file__).resolve().parents[2] / "nemo_rollout_correction" / "core"
+FORBIDDEN = ("torch.distributed", "megatron", "vllm", "omegaconf", "hydra", "mlflow", "yaml")
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _violations(source: str) -> list[str]:
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            names = [dotted] if dotted else []
+        for name in names:
+            if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN):
+                found.append(f"line {node.lineno}: {name}")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(CORE.glob("*.py")), ids=lambda p: p.name)
+def test_core_module_uses_no_distributed_or_framework_code(path: Path) -> None:
+    assert _violations(path.read_text()) == []
+
+
+def test_the_checker_catches_attribute_access_and_imports() -> None:
+    # Guard against a checker that silently passes everything.
+    assert _violations("import torch\ntorch.distributed.all_reduce(x)\n")
+    assert _violations("from torch.distributed import all_reduce\n")
+    assert _violations("import torch.distributed as dist\n")
+    assert _violations("import megatron.core\n")
+    assert not _violations("import torch\ntorch.exp(x)\n")
