@@ -97,8 +97,8 @@ class RolloutCorrectionConfig:
     """Thresholds, one per criterion or one shared: k1 takes ratio bounds `lower_upper` or `upper` (lower =
     1/upper); k2/k3 take an upper bound on the divergence."""
 
-    rollout_token_veto_threshold: float | None = None
-    """Reject a whole sequence if any token ratio is below this (e.g. 1e-4); None = no veto."""
+    rollout_token_veto_threshold: float | None = 1e-4
+    """Reject a whole sequence if any token ratio is below this (a catastrophic token); None = no veto."""
 
     bypass_mode: bool = False
     """Bypass: no old-logprob recompute; PPO clips against pi_rollout (pass the current logprobs as old_logprobs)."""
