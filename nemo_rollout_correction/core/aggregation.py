@@ -66,8 +66,7 @@ def aggregate_loss(
             ``seq-mean-token-mean``: sum over sequences of the per-sequence token mean /
             ``num_global_seqs``; a sequence without kept tokens contributes nothing.
             ``seq-mean-token-sum-norm``: ``seq-mean-token-sum / norm_length`` (Dr. GRPO's constant
-            length normaliser). Note verl's mode of the same name omits the division by the number
-            of sequences.
+            length normaliser), as verl 0.9.1's mode of the same name.
         num_global_tokens: kept-token count over the whole step (all microbatches, dp x cp); scalar
             int/float or 0-dim/1-element tensor. ``None``: the local count.
         num_global_seqs: count of sequences with >= 1 kept token over the whole step; ``None``: local.

@@ -107,7 +107,7 @@ class RolloutCorrectionConfig:
     """Policy loss: `ppo_clip`, or `reinforce` (with bypass_mode: pure IS, -sg(w) * A * log pi_theta, no clipping)."""
 
     metrics_only: bool = False
-    """Compute every diagnostic but apply nothing: weights are 1 and only non-finite tokens leave the mask."""
+    """Compute every diagnostic but apply nothing: weights are 1 and only the non-finite policy edits the mask."""
 
     nonfinite_policy: NonFinitePolicy = "reject_sequence"
     """What a NaN/inf logprob on a loss token does: `raise`, `mask_token`, or `reject_sequence`."""
@@ -132,15 +132,27 @@ class RolloutCorrectionConfig:
         _check_positive("rollout_is_threshold", self.rollout_is_threshold)
         if self.rollout_is_threshold_lower is not None:
             _check_positive("rollout_is_threshold_lower", self.rollout_is_threshold_lower)
-            if self.rollout_is_threshold_lower > self.rollout_is_threshold:
-                raise ValueError(
-                    f"rollout_is_threshold_lower ({self.rollout_is_threshold_lower}) must be <= "
-                    f"rollout_is_threshold ({self.rollout_is_threshold})"
-                )
+        if self.is_lower > self.rollout_is_threshold:
+            source = "rollout_is_threshold_lower" if self.rollout_is_threshold_lower is not None else (
+                "the implied lower bound 1/rollout_is_threshold")
+            raise ValueError(
+                f"{source} ({self.is_lower:g}) must be <= rollout_is_threshold ({self.rollout_is_threshold:g}); "
+                "a single upper bound must be >= 1"
+            )
         if self.rollout_token_veto_threshold is not None:
             _check_positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold)
+            if self.rollout_token_veto_threshold >= 1.0:
+                raise ValueError("rollout_token_veto_threshold is a token ratio below which a sequence is "
+                                 f"rejected; it must be in (0, 1) or null, got {self.rollout_token_veto_threshold!r}")
         if self.nonfinite_max_fraction is not None and not 0.0 <= self.nonfinite_max_fraction <= 1.0:
             raise ValueError(f"nonfinite_max_fraction must be in [0, 1] or null, got {self.nonfinite_max_fraction!r}")
+        if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
+            raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='ppo_clip': the PPO "
+                             "ratio pi_theta/pi_rollout already is the IS correction (weights would apply twice); "
+                             "use loss_type='reinforce' for explicit IS weights")
+        if self.loss_type == "reinforce" and not self.bypass_mode:
+            raise ValueError("loss_type='reinforce' (pure IS) needs bypass_mode=true; in decoupled mode choose "
+                             "the policy loss with PolicyLossConfig.loss_type")
         if self.rollout_is is None and self.rollout_is_batch_normalize:
             raise ValueError("rollout_is_batch_normalize=true needs an IS level: set rollout_is to one of "
                              f"{list(IS_LEVELS)}")

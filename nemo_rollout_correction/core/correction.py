@@ -197,7 +197,8 @@ def _complete(
     _check_nonfinite_fraction(partials, cfg)
     if cfg.rollout_is_batch_normalize:
         mean = is_weight_mean if is_weight_mean is not None else local_is_weight_mean(partials)
-        partials.add_sum("batch_norm_factor", torch.tensor(float(mean), dtype=torch.float64))
+        # A MAX, not a SUM: every microbatch and rank of a step divides by the same global mean.
+        partials.add_max("batch_norm_factor", torch.tensor(float(mean), dtype=torch.float64))
         if not cfg.metrics_only:
             normalize_is_weights_(outputs["is_weights"], mean)
     return RolloutCorrectionOutput(

@@ -90,9 +90,8 @@ def token_metric_partials(
         out.add_min("token_log_ratio_min", extremes[1])
 
     if cfg.rollout_token_veto_threshold is not None:
-        # The veto threshold is a ratio below 1, so the 0 log-ratio of invalid tokens never counts.
         catastrophic = tok.clamped < math.log(cfg.rollout_token_veto_threshold)
-        out.add_sum("num_catastrophic_tokens", _count(catastrophic))
+        out.add_sum("num_catastrophic_tokens", _count(catastrophic & valid))
 
     if cfg.rollout_is == "token":
         weights, _ = token_is_weights(tok, cfg)
@@ -359,8 +358,8 @@ def _finalize_is(m: dict[str, float], f: _Finalizer, partials: Partials, cfg: Ro
     if cfg.rollout_is_mode == "mask":
         m["rollout_is_masked_fraction"] = _div(f.sum("is_rejected_tokens"), num_tokens)
         m["rollout_is_oob_ratio"] = m["rollout_is_masked_fraction"]
-    if "batch_norm_factor" in partials.sums:
-        m["rollout_is_batch_norm_factor"] = f.sum("batch_norm_factor")
+    if "batch_norm_factor" in partials.maxs:
+        m["rollout_is_batch_norm_factor"] = f.max("batch_norm_factor")
 
     raw_hist = partials.sums.get("hist:token_log_ratio" if token_level else "hist:is_raw_log_weight")
     raw = _hist_quantiles(raw_hist)
