@@ -53,6 +53,9 @@ MEMORY_TARGET = 0.5  # ours_peak_extra / verl_peak_extra <= this
 # glibc: every allocation >= 64 KiB is its own mmap, returned to the OS on free, so resident
 # memory follows live tensor memory (no heap caching that hides or inflates a peak).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# `--timing-malloc heap`: glibc never mmaps and never trims, so freed tensor memory is reused
+# without page faults (closer to a caching allocator, as on GPU). Timing only.
+HEAP_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": "0"}
 
 
 # ---- the settings compared ------------------------------------------------------------------
@@ -253,7 +256,9 @@ def measure_memory(impl_name: str, size: str, setting_key: str, args: argparse.N
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_memory-worker", impl_name, size, setting_key,
            "--seed", str(args.seed), "--memory-repeats", str(args.memory_repeats),
            "--verl-mask-dtype", args.verl_mask_dtype]
-    env = {**os.environ, **MALLOC_ENV, "OMP_NUM_THREADS": "1"}
+    # The timing process may run under other glibc malloc settings; the memory method needs exactly these.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(MALLOC_ENV, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"memory worker {impl_name} {size} {setting_key} failed:\n{proc.stderr[-4000:]}")
@@ -419,7 +424,7 @@ def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def environment() -> list[str]:
+def environment(args: argparse.Namespace) -> list[str]:
     import importlib.metadata as md
 
     def ver(pkg: str) -> str:
@@ -451,6 +456,11 @@ def environment() -> list[str]:
         f"(interop {torch.get_num_interop_threads()})",
         "- dtype float32; time = median wall time of interleaved repeats after one warm-up; "
         "throughput = batch*seq / time",
+        f"- timing process malloc: {args.timing_malloc}"
+        + (f" ({' '.join(f'{k}={v}' for k, v in HEAP_MALLOC_ENV.items())}: freed memory reused, no page faults)"
+           if args.timing_malloc == "heap" else " (glibc defaults: tensors above the mmap threshold, at most "
+           "32 MiB, are fresh mmaps page-faulted on every call)"),
+        f"- verl response_mask dtype: {args.verl_mask_dtype}; ours loss_mask: bool",
         "- peak extra memory = VmHWM - VmRSS around one call in a fresh process "
         f"({' '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())}; VmHWM reset via /proc/self/clear_refs); "
         "outputs count",
@@ -458,7 +468,7 @@ def environment() -> list[str]:
 
 
 def render(rows: list[Row], sanity: list[tuple[int, float]], args: argparse.Namespace, profile_md: str) -> str:
-    out = ["# Rollout correction: ours vs verl 0.9.1 (CPU, 1 thread)", "", *environment(), ""]
+    out = ["# Rollout correction: ours vs verl 0.9.1 (CPU, 1 thread)", "", *environment(args), ""]
     if sanity:
         out += ["Memory method sanity check (a call that allocates, writes and frees k MiB): " +
                 ", ".join(f"k={k} -> {m:.1f} MiB" for k, m in sanity), ""]
@@ -535,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verl-mask-dtype", default="float32", choices=["float32", "int64", "bool"],
                    help="dtype of verl's response_mask (float32 default; verl's trainer passes the "
                         "attention-mask slice, often int64)")
+    p.add_argument("--timing-malloc", default="default", choices=["default", "heap"],
+                   help="glibc malloc for the timing process: 'default' (large tensors are fresh mmaps, "
+                        "page-faulted on every call) or 'heap' (no mmap, no trim: freed memory is reused, "
+                        "like a caching allocator); memory is always measured with its own settings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
                    help="always append a profile of ours (otherwise only when a speed target fails)")
@@ -543,6 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", default=str(HERE / "results"))
     p.add_argument("--_memory-worker", nargs=3, metavar=("IMPL", "SIZE", "SETTING"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+
+    if not args._memory_worker and args.timing_malloc == "heap" and any(
+            os.environ.get(k) != v for k, v in HEAP_MALLOC_ENV.items()):
+        # glibc reads these at process start: re-run this script under them.
+        argv_now = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv_now],
+                  {**os.environ, **HEAP_MALLOC_ENV})
 
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):
