@@ -15,6 +15,7 @@ in cache. Inputs are never modified; outputs are detached (IS weights carry no g
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -164,6 +165,8 @@ def finish_correction(
 
 def _row_chunks(x: Tensor) -> list[tuple[int, int]]:
     batch, seq_len = x.shape
+    if batch == 0:
+        return [(0, 0)]  # one empty chunk, so every partial exists with shape [0]
     rows = max(1, CHUNK_ELEMENTS // max(seq_len, 1))
     return [(start, min(start + rows, batch)) for start in range(0, batch, rows)]
 
@@ -196,9 +199,11 @@ def _complete(
 ) -> RolloutCorrectionOutput:
     _check_nonfinite_fraction(partials, cfg)
     if cfg.rollout_is_batch_normalize:
-        mean = is_weight_mean if is_weight_mean is not None else local_is_weight_mean(partials)
+        mean = float(is_weight_mean) if is_weight_mean is not None else local_is_weight_mean(partials)
+        if not (math.isfinite(mean) and mean > 0):
+            mean = 1.0  # nothing kept anywhere: nothing to rescale, and report that honestly
         # A MAX, not a SUM: every microbatch and rank of a step divides by the same global mean.
-        partials.add_max("batch_norm_factor", torch.tensor(float(mean), dtype=torch.float64))
+        partials.add_max("batch_norm_factor", torch.tensor(mean, dtype=torch.float64))
         if not cfg.metrics_only:
             normalize_is_weights_(outputs["is_weights"], mean)
     return RolloutCorrectionOutput(

@@ -101,8 +101,11 @@ class TokenChunk:
 
     @cached_property
     def ratio(self) -> Tensor:
-        """rho = exp(clamped log rho); exactly 1 on invalid tokens."""
-        return self.expm1 + 1.0
+        """rho = exp(clamped log rho); exactly 1 on invalid tokens.
+
+        A direct exp, not expm1 + 1: that sum rounds ratios below ~e^-17 to 0 in float32.
+        """
+        return torch.exp(self.clamped)
 
     @cached_property
     def pad(self) -> Tensor:

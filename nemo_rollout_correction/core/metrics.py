@@ -19,13 +19,14 @@ from torch import Tensor
 from nemo_rollout_correction.core.config import RejectionCriterion, RolloutCorrectionConfig
 from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
 from nemo_rollout_correction.core.rejection import sequence_statistic, statistic_bounds, token_statistic
-from nemo_rollout_correction.core.sequence_stats import token_is_weights
+from nemo_rollout_correction.core.sequence_stats import token_is_weights, valid_token_is_weights
 from nemo_rollout_correction.core.stats import LogHistogram, Partials
 
 PREFIX = "rollout_corr/"
 QUANTILES: tuple[tuple[str, float], ...] = (("p1", 0.01), ("p10", 0.10), ("p50", 0.50), ("p90", 0.90),
                                             ("p99", 0.99))
 
+_PPL_LOG_BOUND = 300.0
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
 
@@ -90,22 +91,23 @@ def token_metric_partials(
         out.add_min("token_log_ratio_min", extremes[1])
 
     if cfg.rollout_token_veto_threshold is not None:
-        catastrophic = tok.clamped < math.log(cfg.rollout_token_veto_threshold)
+        catastrophic = tok.log_ratio < math.log(cfg.rollout_token_veto_threshold)
         out.add_sum("num_catastrophic_tokens", _count(catastrophic & valid))
 
     if cfg.rollout_is == "token":
         weights, _ = token_is_weights(tok, cfg)
-        valid_weights = tok.cache["valid_is_weight"]
+        valid_weights = valid_token_is_weights(tok, cfg)
         out.add_sum("is_w2_sum", torch.linalg.vector_norm(valid_weights).double().square())
-        # Invalid tokens have rho = 1, which the bound maps to itself or (two-sided) to `lower`.
-        filler = min(max(1.0, cfg.is_lower if cfg.rollout_is_two_sided else 0.0), cfg.rollout_is_threshold)
-        extremes = _valid_extremes(tok, weights, filler if cfg.rollout_is_mode == "truncate" else 1.0)
+        extremes = _valid_extremes(tok, weights, _bounded_one(cfg))
         if extremes is not None:
             out.add_max("is_w_max", extremes[0])
             out.add_min("is_w_min", extremes[1])
         out.add_sum("is_high_count", _count((tok.clamped > math.log(cfg.rollout_is_threshold)) & valid))
         out.add_sum("is_low_count", _count((tok.clamped < math.log(cfg.is_lower)) & valid))
-        out.add_sum("is_weight_kept_sum", kept_weights.sum().double())
+        if cfg.metrics_only:  # the written weights are all 1: sum what would have been applied
+            out.add_sum("is_weight_kept_sum", (valid_weights * keep).sum().double())
+        else:
+            out.add_sum("is_weight_kept_sum", kept_weights.sum().double())
         out.add_sum("is_weight_kept_count", _count(keep))
 
     for criterion in cfg.rejection_criteria:
@@ -117,6 +119,15 @@ def token_metric_partials(
             rejected = rejected | tok.cache["rs_rejected_any"]
         out.add_sum("rs_rejected_tokens", _count(rejected & valid))
     return out
+
+
+def _bounded_one(cfg: RolloutCorrectionConfig) -> float:
+    """The weight an invalid token carries: its ratio is exactly 1, bounded like any other."""
+    upper, lower = cfg.rollout_is_threshold, cfg.is_lower
+    if cfg.rollout_is_mode == "mask":
+        return 1.0 if lower <= 1.0 <= upper else 0.0
+    floor = lower if cfg.rollout_is_two_sided else float("-inf")
+    return min(max(1.0, floor), upper)
 
 
 def _token_criterion_partials(out: Partials, tok: TokenChunk, criterion: RejectionCriterion) -> None:
@@ -164,9 +175,10 @@ def sequence_metric_partials(seq: Partials, cfg: RolloutCorrectionConfig, decisi
 
     mean_old = seq.sums["sum_old_logprobs"] / n
     mean_rollout = seq.sums["sum_rollout_logprobs"] / n
-    out.add_sum("training_ppl_sum", _masked_sum(torch.exp(-mean_old), has))
+    # A perplexity above e^300 is meaningless but must not overflow the float64 sums to inf.
+    out.add_sum("training_ppl_sum", _masked_sum(torch.exp((-mean_old).clamp(max=_PPL_LOG_BOUND)), has))
     out.add_sum("training_log_ppl_sum", _masked_sum(-mean_old, has))
-    out.add_sum("rollout_ppl_sum", _masked_sum(torch.exp(-mean_rollout), has))
+    out.add_sum("rollout_ppl_sum", _masked_sum(torch.exp((-mean_rollout).clamp(max=_PPL_LOG_BOUND)), has))
     out.add_sum("rollout_log_ppl_sum", _masked_sum(-mean_rollout, has))
     log_ppl_diff = mean_rollout - mean_old
     out.add_sum("log_ppl_diff_sum", _masked_sum(log_ppl_diff, has))

@@ -27,6 +27,14 @@ def token_is_weights(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> tuple[Ten
     return tok.cache["is_weight"], tok.cache.get("is_in_bounds")
 
 
+def valid_token_is_weights(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Tensor:
+    """Token-level IS weights on valid tokens and 0 elsewhere, `[rows, seq]` (cached)."""
+    if "valid_is_weight" not in tok.cache:
+        weights, _ = token_is_weights(tok, cfg)
+        tok.cache["valid_is_weight"] = weights * tok.valid_f
+    return tok.cache["valid_is_weight"]
+
+
 def token_rs_rejected(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> dict[str, Tensor]:
     """Per token-level criterion: valid tokens it rejects, `[rows, seq]` bool (cached)."""
     out: dict[str, Tensor] = {}
@@ -49,6 +57,17 @@ def _row_sum_sq(x: Tensor) -> Tensor:
     # One fused pass instead of square-then-sum.
     norm: Tensor = torch.linalg.vector_norm(x, dim=-1)
     return norm.double().square()
+
+
+def _row_amax(x: Tensor) -> Tensor:
+    # amax over an empty last dimension raises; a [rows, 0] chunk has no tokens to reduce.
+    return x.amax(dim=-1).double() if x.shape[-1] else torch.zeros(x.shape[0], dtype=torch.float64)
+
+
+def _row_amin(x: Tensor) -> Tensor:
+    if x.shape[-1]:
+        return x.amin(dim=-1).double()
+    return torch.full((x.shape[0],), float("inf"), dtype=torch.float64)
 
 
 def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Partials:
@@ -78,16 +97,15 @@ def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Pa
         # k2/k3 are >= 0 and exactly 0 on invalid tokens, so a plain row max is the valid max.
         if criterion.granularity == "seq_max" and f"max_{criterion.statistic}" not in seq.maxs:
             values = tok.k2 if criterion.statistic == "k2" else tok.k3
-            seq.maxs[f"max_{criterion.statistic}"] = values.amax(dim=-1).double()
+            seq.maxs[f"max_{criterion.statistic}"] = _row_amax(values)
 
     if cfg.rollout_token_veto_threshold is not None:
-        seq.mins["min_log_ratio"] = (tok.clamped - tok.pad).amin(dim=-1).double()
+        # Unclamped: a veto threshold below e^-20 must still fire on a ratio of e^-50.
+        seq.mins["min_log_ratio"] = _row_amin(tok.log_ratio - tok.pad)
 
     if cfg.rollout_is == "token":
-        weights, in_bounds = token_is_weights(tok, cfg)
-        valid_weights = weights * tok.valid_f
-        tok.cache["valid_is_weight"] = valid_weights
-        seq.sums["sum_token_is_weight"] = _row_sum(valid_weights)
+        _, in_bounds = token_is_weights(tok, cfg)
+        seq.sums["sum_token_is_weight"] = _row_sum(valid_token_is_weights(tok, cfg))
         seq.sums["sum_token_raw_weight"] = sum_expm1 + num_tokens
         if in_bounds is not None:
             seq.sums["num_is_rejected"] = _row_sum(tok.valid & ~in_bounds)

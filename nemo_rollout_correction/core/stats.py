@@ -9,6 +9,7 @@ tensor size (torch.quantile refuses inputs above ~16M elements).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -135,9 +136,7 @@ class LogHistogram:
     @classmethod
     def centers(cls) -> Tensor:
         """The log-value represented by each bin (the middle of its float range), `[NUM_BINS]` float64."""
-        keys = torch.arange(cls.MAG_LO, cls.MAG_HI + 1, dtype=torch.int32)
-        magnitude = ((keys << cls.SHIFT) | (1 << (cls.SHIFT - 1))).view(torch.float32).double()
-        return torch.cat([-magnitude.flip(0), torch.zeros(1, dtype=torch.float64), magnitude])
+        return _bin_centers(cls.MAG_LO, cls.MAG_HI, cls.SHIFT)
 
     @classmethod
     def quantiles(cls, counts: Tensor, qs: Iterable[float], *, zero_count: float = 0.0) -> list[float]:
@@ -150,7 +149,7 @@ class LogHistogram:
         if total <= 0:
             return [0.0] * len(qs)
         cdf = torch.cumsum(counts, 0) + zero_count
-        values = torch.exp(cls.centers())
+        values = _bin_values(cls.MAG_LO, cls.MAG_HI, cls.SHIFT)
         out: list[float] = []
         for q in qs:
             target = q * total
@@ -160,3 +159,15 @@ class LogHistogram:
             index = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64)).item())
             out.append(float(values[min(index, cls.NUM_BINS - 1)]))
         return out
+
+
+@functools.lru_cache(maxsize=4)
+def _bin_centers(mag_lo: int, mag_hi: int, shift: int) -> Tensor:
+    keys = torch.arange(mag_lo, mag_hi + 1, dtype=torch.int32)
+    magnitude = ((keys << shift) | (1 << (shift - 1))).view(torch.float32).double()
+    return torch.cat([-magnitude.flip(0), torch.zeros(1, dtype=torch.float64), magnitude])
+
+
+@functools.lru_cache(maxsize=4)
+def _bin_values(mag_lo: int, mag_hi: int, shift: int) -> Tensor:
+    return torch.exp(_bin_centers(mag_lo, mag_hi, shift))

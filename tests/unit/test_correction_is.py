@@ -180,15 +180,6 @@ def test_huge_mismatch_caps_at_e20(level: str) -> None:
             assert w[1, 2].item() == pytest.approx(math.exp(-20), rel=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: token ratios are computed as expm1(log rho) + 1 in float32, which loses relative precision for "
-        "small ratios: rho <= e^-17 (4e-8) becomes exactly 0 (decision 3: 'never turns into 0'), e^-10 is off"
-        " by 4e-4 relative, e^-15 by 2.6%"
-    ),
-)
 def test_small_token_ratios_keep_relative_precision() -> None:
     lrs = [-5.0, -10.0, -15.0, -20.0, -1e4]
     old = torch.tensor([lrs]) - 1.0
@@ -355,14 +346,6 @@ def test_zero_length_sequences(c: RolloutCorrectionConfig) -> None:
     _assert_empty_result(compute_rollout_correction(z, z, z.bool(), c), (3, 0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason=(
-        "BUG: a [batch, 0] batch with the veto (or a seq_max criterion) raises IndexError from amin/amax over"
-        " an empty dim in chunk_sequence_partials"
-    ),
-)
 @pytest.mark.parametrize("c", [cfg(rollout_token_veto_threshold=1e-4),
                                cfg(rollout_rs="seq_max_k2", rollout_rs_threshold=1.0)])
 def test_zero_length_sequences_with_veto_or_seq_max(c: RolloutCorrectionConfig) -> None:
@@ -370,14 +353,6 @@ def test_zero_length_sequences_with_veto_or_seq_max(c: RolloutCorrectionConfig) 
     _assert_empty_result(compute_rollout_correction(z, z, z.bool(), c), (3, 0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason=(
-        "BUG: a batch with 0 rows raises KeyError('num_tokens') in sequence_metric_partials "
-        "(Partials.concat([]) has no entries)"
-    ),
-)
 @pytest.mark.parametrize("c", EMPTY_CONFIGS)
 def test_zero_rows(c: RolloutCorrectionConfig) -> None:
     z = torch.zeros(0, 5)

@@ -266,14 +266,6 @@ def test_veto_with_sequence_is() -> None:
     assert out.is_weights[1, 0].item() == pytest.approx(math.exp(0.3), rel=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: the veto compares the log-ratio clamped to -20, so a threshold below e^-20 (2e-9) never fires: "
-        "rho = e^-50 with veto threshold 1e-12 keeps its sequence"
-    ),
-)
 def test_veto_below_clamp_range() -> None:
     lrs: list[list[float | None]] = [[0.0, -50.0], [0.0, 0.0]]
     out = compute_rollout_correction(*batch(lrs), cfg(rollout_token_veto_threshold=1e-12))

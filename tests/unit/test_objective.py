@@ -305,8 +305,6 @@ def test_nonfinite_inputs_never_reach_loss_or_gradient() -> None:
         assert (lp.grad[0] == 0).all() == (policy == "reject_sequence")
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="BUG: a batch with 0 rows raises KeyError('num_tokens') in "
-                   "compute_rollout_correction (see test_correction_is.py::test_zero_rows)")
 def test_zero_row_batch_gives_zero_loss_and_gradient() -> None:
     lp = torch.zeros(0, 4, dtype=F64, requires_grad=True)
     z = torch.zeros(0, 4, dtype=F64)

@@ -54,13 +54,7 @@ CONFIGS = [
 ]
 IDS = [f"c{i}" for i in range(len(CONFIGS))]
 
-TOKEN_TWO_PHASE_BUG = pytest.mark.xfail(
-    strict=True, raises=KeyError,
-    reason="BUG: finish_correction with rollout_is='token' raises KeyError('valid_is_weight'): "
-    "token_metric_partials reads a cache entry only phase 1 (chunk_sequence_partials) sets, and phase 2 "
-    "builds a fresh TokenChunk; the two-phase (context-parallel) API cannot do token-level IS")
-TWO_PHASE_CONFIGS = [pytest.param(c, id=i, marks=TOKEN_TWO_PHASE_BUG) if c.rollout_is == "token"
-                     else pytest.param(c, id=i) for c, i in zip(CONFIGS, IDS, strict=True)]
+TWO_PHASE_CONFIGS = [pytest.param(c, id=i) for c, i in zip(CONFIGS, IDS, strict=True)]
 
 
 def assert_metrics_close(actual: dict[str, float], expected: dict[str, float], skip: tuple[str, ...] = ()) -> None:
