@@ -323,7 +323,7 @@ def compare(ours_out: Any, verl_out: Any, mask: torch.Tensor) -> dict[str, Any]:
     else:
         res["is_weight_maxabs"] = None
     o_m = {k.removeprefix("rollout_corr/"): v for k, v in ours_out.metrics.items()}
-    v_m = {k.removeprefix("rollout_corr/"): v for k, v in verl_metrics.items()}
+    v_m = verl_k1_in_our_convention({k.removeprefix("rollout_corr/"): v for k, v in verl_metrics.items()})
     common = sorted(set(o_m) & set(v_m))
     rows = []
     for k in common:
@@ -339,17 +339,31 @@ def compare(ours_out: Any, verl_out: Any, mask: torch.Tensor) -> dict[str, Any]:
     res["coinciding_max_abs"] = max((r[3] for r in coincide), default=None)
     res["coinciding_max_rel"] = max((r[4] for r in coincide), default=None)
     res["metric_mismatches"] = [r for r in rows if r[4] > 1e-3 and r[3] > 1e-6]
-    # verl's k1 rejection statistic is -log(rho) (its "k1 bound sign quirk"); ours bounds rho itself
-    # (DESIGN.md decision 1), so a `*_k1_*fraction_high` of one is the `*_fraction_low` of the other.
-    by_name = {r[0]: r for r in rows}
-    swapped = set()
-    for k, a, b, _, _ in res["metric_mismatches"]:
-        twin = k.replace("fraction_high", "fraction_low") if "fraction_high" in k else \
-            k.replace("fraction_low", "fraction_high")
-        if "_k1_" in k and twin in by_name and by_name[twin][1] == b and by_name[twin][2] == a:
-            swapped.add(k)
-    res["k1_high_low_swapped"] = sorted(swapped)
     return res
+
+
+def verl_k1_in_our_convention(metrics: dict[str, float]) -> dict[str, float]:
+    """verl's k1 rejection metrics are statistics of -log(rho); ours describe log(rho), the quantity
+    the ratio bounds apply to (DESIGN.md decision 1). Convert verl's so both compare like for like:
+    means change sign, max and min swap and change sign, high and low fractions swap. Spreads,
+    deviations and masked fractions are unchanged."""
+    out = dict(metrics)
+    for key, value in metrics.items():
+        if "_k1_" not in key:
+            continue
+        prefix, _, suffix = key.rpartition("_k1_")
+        base = f"{prefix}_k1_"
+        if suffix in ("mean", "seq_mean"):
+            out[key] = -value
+        elif suffix in ("max", "seq_max"):
+            out[key] = -metrics[base + suffix.replace("max", "min")]
+        elif suffix in ("min", "seq_min"):
+            out[key] = -metrics[base + suffix.replace("min", "max")]
+        elif suffix.endswith("fraction_high"):
+            out[key] = metrics[base + suffix.replace("high", "low")]
+        elif suffix.endswith("fraction_low"):
+            out[key] = metrics[base + suffix.replace("low", "high")]
+    return out
 
 
 # ---- profile of ours ---------------------------------------------------------------------------
@@ -499,17 +513,15 @@ def render(rows: list[Row], sanity: list[tuple[int, float]], args: argparse.Name
             "keep mask: tokens where ours and verl differ (and sequences whose rejected/kept status differs); "
             "IS weights: max |ours - verl| on tokens both keep; metrics: max abs/rel diff over the off-policy "
             f"diagnostics both define ({', '.join(COINCIDING_METRICS)}); mismatches: any common "
-            "`rollout_corr/<name>` with rel diff > 1e-3 and abs diff > 1e-6. [high/low swapped] marks a "
-            "k1 rejection fraction whose value equals the other implementation's opposite-side fraction: "
-            "verl's k1 statistic is -log(rho), ours bounds rho (DESIGN.md decision 1).", "",
+            "`rollout_corr/<name>` with rel diff > 1e-3 and abs diff > 1e-6. verl's k1 rejection metrics "
+            "describe -log(rho) and ours log(rho) (DESIGN.md decision 1); verl's are converted to our "
+            "convention before comparing (means negated, max/min and high/low swapped).", "",
             "| size | setting | kept tokens ours / verl | keep-mask token diff | seq diff | IS weight max abs diff "
             "| coinciding metrics max abs / rel diff | common metric names | mismatching common metrics |",
             "|---|---|---|---:|---:|---:|---|---:|---|"]
     for r in rows:
         a = r.agreement
-        sw = set(a["k1_high_low_swapped"])
-        mism = ", ".join(f"{k} ({x:.6g} vs {y:.6g}){' [high/low swapped]' if k in sw else ''}"
-                         for k, x, y, _, _ in a["metric_mismatches"]) or "none"
+        mism = ", ".join(f"{k} ({x:.6g} vs {y:.6g})" for k, x, y, _, _ in a["metric_mismatches"]) or "none"
         out.append(
             f"| {r.size} | {r.setting.key} | {a['keep_tokens_ours']} / {a['keep_tokens_verl']} | "
             f"{a['keep_token_diff']} | {a['keep_seq_diff']} | {_fmt(a['is_weight_maxabs'], '.3g')} | "

@@ -147,11 +147,10 @@ def _token_criterion_partials(out: Partials, tok: TokenChunk, criterion: Rejecti
 
 
 def _outside_counts(stat: Tensor, criterion: RejectionCriterion, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """How many values have a ratio above / below the bounds (k1) or a divergence above (k2/k3)."""
+    """How many values lie above / below the kept interval (k2/k3 have no lower side)."""
     low, high = statistic_bounds(criterion)
     if criterion.statistic == "k1":
-        # stat = -log rho: a ratio above `upper` is a statistic below `low`.
-        return _count((stat < low) & mask), _count((stat > high) & mask)
+        return _count((stat > high) & mask), _count((stat < low) & mask)
     return _count((stat > high) & mask), torch.zeros((), dtype=torch.float64)
 
 
@@ -256,7 +255,7 @@ def _criterion_sequence_partials(out: Partials, seq: Partials, criterion: Reject
     out.add_sum(key + "seq_high_count", high_count)
     out.add_sum(key + "seq_low_count", low_count)
     if criterion.is_token_level:
-        token_total = {"k1": -seq.sums["sum_log_ratio"]}.get(criterion.statistic)
+        token_total = {"k1": seq.sums["sum_log_ratio"]}.get(criterion.statistic)
         if token_total is None:
             token_total = seq.sums[f"sum_{criterion.statistic}"]
         out.add_sum(key + "sum", token_total.sum())

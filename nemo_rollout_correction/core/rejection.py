@@ -1,9 +1,10 @@
 """Rejection-sampling statistics and decisions for each criterion, plus the veto.
 
-The reported statistic follows verl's definitions: k1 = -log rho (the k1 estimator of
-KL(pi_rollout || pi_train)), k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho. The decision for
-k1 criteria bounds rho itself, `lower <= rho <= upper` (DESIGN.md decision 1), which verl
-gets backwards for asymmetric bounds; k2/k3 criteria keep `statistic <= upper`.
+Statistics: k1 = log rho (the log of the ratio the bounds apply to), k2 = (log rho)^2 / 2,
+k3 = rho - 1 - log rho. A k1 criterion keeps `log lower <= stat <= log upper`, i.e. it bounds
+rho itself (token ratio, sequence product or geometric mean; DESIGN.md decision 1). verl
+computes k1 as -log rho against log-bounds, which swaps asymmetric bounds; its docs describe
+the statistic as E[log r], which is what we report. k2/k3 criteria keep `stat <= upper`.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ from nemo_rollout_correction.core.stats import Partials
 def token_statistic(tok: TokenChunk, criterion: RejectionCriterion) -> Tensor:
     """The per-token statistic of `criterion`'s kind, `[rows, seq]` (0 on invalid tokens)."""
     if criterion.statistic == "k1":
-        return -tok.clamped
+        return tok.clamped
     return tok.k2 if criterion.statistic == "k2" else tok.k3
 
 
 def token_rejected(tok: TokenChunk, criterion: RejectionCriterion) -> Tensor:
     """Valid tokens rejected by a token-level criterion, `[rows, seq]` bool."""
+    low, high = statistic_bounds(criterion)
+    stat = token_statistic(tok, criterion)
+    out = stat > high
     if criterion.statistic == "k1":
-        assert criterion.lower is not None  # parsed config invariant: k1 always has a lower bound
-        out = (tok.clamped < math.log(criterion.lower)) | (tok.clamped > math.log(criterion.upper))
-    else:
-        out = token_statistic(tok, criterion) > criterion.upper
+        out |= stat < low
     return out & tok.valid
 
 
@@ -43,7 +44,7 @@ def sequence_statistic(seq: Partials, criterion: RejectionCriterion) -> Tensor:
     num_tokens = seq.sums["num_tokens"]
     if criterion.granularity == "seq_max":
         return seq.maxs[f"max_{criterion.statistic}"]
-    total = -seq.sums["sum_log_ratio"] if criterion.statistic == "k1" else seq.sums[f"sum_{criterion.statistic}"]
+    total = seq.sums["sum_log_ratio"] if criterion.statistic == "k1" else seq.sums[f"sum_{criterion.statistic}"]
     if criterion.granularity == "seq_sum":
         return total
     return total / num_tokens.clamp(min=1.0)
@@ -52,20 +53,21 @@ def sequence_statistic(seq: Partials, criterion: RejectionCriterion) -> Tensor:
 def sequence_rejected(seq: Partials, criterion: RejectionCriterion) -> Tensor:
     """Sequences `[rows]` rejected by a sequence-level criterion (never ones without tokens)."""
     stat = sequence_statistic(seq, criterion)
+    low, high = statistic_bounds(criterion)
+    out = stat > high
     if criterion.statistic == "k1":
-        assert criterion.lower is not None
-        # stat = -log rho_agg, so lower <= rho_agg <= upper  <=>  -log upper <= stat <= -log lower.
-        out = (stat < -math.log(criterion.upper)) | (stat > -math.log(criterion.lower))
-    else:
-        out = stat > criterion.upper
+        out |= stat < low
     return out & (seq.sums["num_tokens"] > 0)
 
 
 def statistic_bounds(criterion: RejectionCriterion) -> tuple[float, float]:
-    """The statistic-space interval `[low, high]` a kept value lies in (k2/k3: `[0, upper]`)."""
+    """The statistic-space interval `[low, high]` a kept value lies in.
+
+    k1: `[log lower, log upper]` (the ratio bounds in log space); k2/k3: `[0, upper]`.
+    """
     if criterion.statistic == "k1":
-        assert criterion.lower is not None
-        return -math.log(criterion.upper), -math.log(criterion.lower)
+        assert criterion.lower is not None  # parsed config invariant: k1 always has a lower bound
+        return math.log(criterion.lower), math.log(criterion.upper)
     return 0.0, criterion.upper
 
 

@@ -215,8 +215,8 @@ def test_criterion_value_metrics() -> None:
     assert out.metrics[F + "rollout_rs_token_k3_max"] == pytest.approx(max(k3s), rel=1e-5)
     assert out.metrics[F + "rollout_rs_token_k3_fraction_high"] == pytest.approx(
         sum(v > 0.02 for v in k3s) / len(k3s))
-    # seq_mean_k1 reports the k1 statistic -log rho_geo per sequence
-    stats = [-sum(v for v in row if v is not None) / sum(v is not None for v in row) for row in LOG_RATIOS[:4]]
+    # seq_mean_k1 reports its statistic log rho_geo per sequence (the log of the bounded ratio)
+    stats = [sum(v for v in row if v is not None) / sum(v is not None for v in row) for row in LOG_RATIOS[:4]]
     assert out.metrics[F + "rollout_rs_seq_mean_k1_seq_mean"] == pytest.approx(sum(stats) / 4, rel=1e-5)
     assert out.metrics[F + "rollout_rs_seq_mean_k1_seq_max"] == pytest.approx(max(stats), rel=1e-5)
     assert out.metrics[F + "rollout_rs_seq_mean_k1_seq_min"] == pytest.approx(min(stats), rel=1e-5)
