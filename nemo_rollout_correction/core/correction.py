@@ -33,9 +33,12 @@ from nemo_rollout_correction.core.sequence_stats import chunk_sequence_partials,
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.core.weights import bound_weights, normalize_is_weights_
 
-CHUNK_ELEMENTS = 1 << 18
-"""Tokens per row chunk (~1 MiB per float32 temporary): small enough for cache, large enough
-that per-chunk Python overhead is negligible."""
+CHUNK_ELEMENTS = 1 << 20
+"""Most tokens per row chunk (4 MiB per float32 temporary)."""
+
+MIN_CHUNK_ELEMENTS = 1 << 16
+"""Fewest tokens per row chunk (unless the batch is smaller): below this, per-chunk Python
+overhead outweighs the memory saved."""
 
 
 @dataclass
@@ -97,7 +100,7 @@ def compute_rollout_correction(
     partials = Partials()
     seq_parts: list[Partials] = []
     decision_parts: list[dict[str, Tensor]] = []
-    for start, stop in _row_chunks(old_logprobs):
+    for start, stop in row_chunks(old_logprobs):
         tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop])
         seq = chunk_sequence_partials(tok, cfg)
         _check_nonfinite_raise(seq, cfg, start)
@@ -119,7 +122,7 @@ def sequence_partials(
     """
     validate_inputs(old_logprobs, rollout_logprobs, loss_mask)
     parts = []
-    for start, stop in _row_chunks(old_logprobs):
+    for start, stop in row_chunks(old_logprobs):
         tok = TokenChunk(old_logprobs[start:stop].detach(), rollout_logprobs[start:stop].detach(),
                          loss_mask[start:stop])
         parts.append(chunk_sequence_partials(tok, cfg))
@@ -150,7 +153,7 @@ def finish_correction(
     outputs = _allocate_outputs(old_logprobs)
     partials = Partials()
     decision_parts: list[dict[str, Tensor]] = []
-    for start, stop in _row_chunks(old_logprobs):
+    for start, stop in row_chunks(old_logprobs):
         tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop])
         token_partials, decisions = _finish_chunk(tok, seq.slice_rows(start, stop), cfg, outputs, start, stop)
         partials.merge(token_partials)
@@ -163,11 +166,18 @@ def finish_correction(
 # ---- internals ------------------------------------------------------------------------------
 
 
-def _row_chunks(x: Tensor) -> list[tuple[int, int]]:
+def row_chunks(x: Tensor) -> list[tuple[int, int]]:
+    """Row ranges `[start, stop)` that split `x` `[batch, seq]` into chunks.
+
+    About a quarter of the batch per chunk, within [MIN_CHUNK_ELEMENTS, CHUNK_ELEMENTS] tokens:
+    peak extra memory stays a fraction of the batch's own size, while large batches are not
+    cut into so many chunks that per-chunk overhead dominates.
+    """
     batch, seq_len = x.shape
     if batch == 0:
         return [(0, 0)]  # one empty chunk, so every partial exists with shape [0]
-    rows = max(1, CHUNK_ELEMENTS // max(seq_len, 1))
+    elements = min(CHUNK_ELEMENTS, max(MIN_CHUNK_ELEMENTS, x.numel() // 4))
+    rows = max(1, elements // max(seq_len, 1))
     return [(start, min(start + rows, batch)) for start in range(0, batch, rows)]
 
 
@@ -307,25 +317,30 @@ def _finish_chunk(
         rs_rejected = tok.cache["rs_rejected_any"]
         token_rejected = rs_rejected if token_rejected is None else token_rejected | rs_rejected
     weights_out = outputs["is_weights"][start:stop]
+    all_kept = bool(seq_keep.all()) and not (apply and token_rejected is not None)
     if apply and token_rejected is not None:
         keep &= ~token_rejected
-        keep_f = keep.float()
-    elif (apply and cfg.rollout_is is not None) or bool(seq_keep.all()):
-        keep_f = tok.valid_f if bool(seq_keep.all()) else tok.valid_f * seq_keep.float().unsqueeze(-1)
-    else:
-        # No IS weights: the output weights are the float keep mask itself.
-        keep_f = torch.mul(tok.valid_f, seq_keep.float().unsqueeze(-1), out=weights_out)
     outputs["keep_mask"][start:stop] = keep
 
+    valid_weights: Tensor | None = None
     if apply and token_weight is not None:
-        torch.mul(token_weight, keep_f, out=weights_out)
-    elif apply and seq_weight is not None:
-        torch.mul(keep_f, seq_weight.float().unsqueeze(-1), out=weights_out)
-    elif keep_f is not weights_out:
-        weights_out.copy_(keep_f)
+        # Valid weights go straight into the output slice, then the rejections are applied in place.
+        valid_weights = torch.mul(token_weight, tok.valid_f, out=weights_out)
+        if not all_kept:
+            valid_weights = valid_weights.clone()  # the metrics need them before the keep mask
+            weights_out.mul_(keep)
+    elif token_weight is not None:  # metrics only: the output is the keep mask, weights are diagnostic
+        valid_weights = token_weight * tok.valid_f
+    if not (apply and token_weight is not None):
+        if all_kept:
+            weights_out.copy_(tok.valid_f)
+        else:
+            weights_out.copy_(keep)
+        if apply and seq_weight is not None:
+            weights_out.mul_(seq_weight.float().unsqueeze(-1))
 
-    partials = token_metric_partials(tok, cfg, keep, weights_out, decisions)
-    num_kept = keep_f.sum().double()
+    partials = token_metric_partials(tok, cfg, keep, weights_out, valid_weights, decisions)
+    num_kept = (tok.valid_f.sum() if all_kept else keep.sum()).double()
     partials.add_sum("num_kept_tokens", num_kept)
     if cfg.rejected_tokens_in_denominator:
         outputs["denominator_mask"][start:stop] = tok.valid & usable.unsqueeze(-1)
@@ -346,9 +361,11 @@ def _sequence_log_weight(seq: Partials, cfg: RolloutCorrectionConfig) -> Tensor:
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "MIN_CHUNK_ELEMENTS",
     "RolloutCorrectionOutput",
     "compute_rollout_correction",
     "finish_correction",
     "local_is_weight_mean",
+    "row_chunks",
     "sequence_partials",
 ]

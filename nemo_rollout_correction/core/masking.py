@@ -75,14 +75,15 @@ class TokenChunk:
             self.valid_f = self.loss.float()
             self.nonfinite: Tensor | None = None
             self.log_ratio = raw.mul_(self.valid_f)
-            self.rollout_valid = rollout * self.valid_f
+            # A row dot product masks without materialising rollout * mask.
+            self.row_sum_rollout = torch.linalg.vecdot(rollout, self.valid_f)
         else:
             finite = torch.isfinite(raw)
             self.valid = self.loss & finite
             self.valid_f = self.valid.float()
             self.nonfinite = self.loss & ~finite
             self.log_ratio = torch.where(self.valid, raw, 0.0)
-            self.rollout_valid = torch.where(self.valid, rollout, 0.0)
+            self.row_sum_rollout = torch.where(self.valid, rollout, 0.0).sum(dim=-1)
 
     @cached_property
     def num_invalid(self) -> int:
@@ -90,8 +91,22 @@ class TokenChunk:
         return self.numel - int(self.valid_f.sum())
 
     @cached_property
+    def log_ratio_extremes(self) -> tuple[float, float]:
+        """(min, max) of log_ratio over the whole chunk, invalid zeros included."""
+        if self.numel == 0:
+            return 0.0, 0.0
+        low, high = torch.aminmax(self.log_ratio)
+        return float(low), float(high)
+
+    @cached_property
     def clamped(self) -> Tensor:
-        """log rho clamped to +-LOG_RATIO_BOUND (0 on invalid tokens)."""
+        """log rho clamped to +-LOG_RATIO_BOUND (0 on invalid tokens).
+
+        The same tensor as log_ratio when nothing needs clamping (the normal case): no copy.
+        """
+        low, high = self.log_ratio_extremes
+        if low >= -LOG_RATIO_BOUND and high <= LOG_RATIO_BOUND:
+            return self.log_ratio
         return self.log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
     @cached_property
@@ -121,3 +136,10 @@ class TokenChunk:
     def k3(self) -> Tensor:
         """k3 = rho - 1 - log rho per token (0 on invalid tokens); >= 0."""
         return self.expm1 - self.clamped
+
+    def row_sum_k3(self) -> Tensor:
+        """Per-row sums of k3 `[rows]`, without keeping the k3 tensor unless something else needs it."""
+        k3 = self.__dict__.get("k3")
+        if k3 is None:
+            k3 = self.expm1 - self.clamped  # a transient temporary, freed on return
+        return k3.sum(dim=-1)

@@ -19,7 +19,7 @@ from torch import Tensor
 from nemo_rollout_correction.core.config import RejectionCriterion, RolloutCorrectionConfig
 from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
 from nemo_rollout_correction.core.rejection import sequence_statistic, statistic_bounds, token_statistic
-from nemo_rollout_correction.core.sequence_stats import token_is_weights, valid_token_is_weights
+from nemo_rollout_correction.core.sequence_stats import bounded_one, token_is_weights
 from nemo_rollout_correction.core.stats import LogHistogram, Partials
 
 PREFIX = "rollout_corr/"
@@ -47,18 +47,26 @@ def _masked_min(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, _POS_INF).min()
 
 
-def _valid_extremes(tok: TokenChunk, values: Tensor, invalid_value: float) -> tuple[Tensor, Tensor] | None:
+def _valid_extremes(
+    tok: TokenChunk, values: Tensor, invalid_value: float, known: tuple[float, float] | None = None
+) -> tuple[Tensor, Tensor] | None:
     """(max, min) of `values` over valid tokens, where invalid tokens hold exactly `invalid_value`.
 
-    A plain aminmax is exact whenever the max lies above (the min below) the invalid filler,
-    since only a valid token can produce it; otherwise fall back to padding. None if no valid token.
+    A plain aminmax (or `known` (min, max) of the whole chunk) is exact whenever the max lies
+    above (the min below) the invalid filler, since only a valid token can produce it; otherwise
+    fall back to padding. None if the chunk has no valid token.
     """
     if tok.num_invalid >= tok.numel:
         return None
-    low, high = torch.aminmax(values)
-    if tok.num_invalid and not float(high) > invalid_value:
+    if known is None:
+        low, high = torch.aminmax(values)
+        known = (float(low), float(high))
+    low_value, high_value = known
+    high = torch.tensor(high_value, dtype=torch.float64)
+    low = torch.tensor(low_value, dtype=torch.float64)
+    if tok.num_invalid and not high_value > invalid_value:
         high = (values + tok.pad).amax()
-    if tok.num_invalid and not float(low) < invalid_value:
+    if tok.num_invalid and not low_value < invalid_value:
         low = (values - tok.pad).amin()
     return high, low
 
@@ -75,37 +83,48 @@ def token_metric_partials(
     cfg: RolloutCorrectionConfig,
     keep: Tensor,
     kept_weights: Tensor,
+    valid_weights: Tensor | None,
     decisions: dict[str, Tensor],
 ) -> Partials:
     """Metric partials that only need this rank's tokens of one chunk.
 
     keep: `[rows, seq]` bool keep mask; kept_weights: `[rows, seq]` the IS weights written out
-    (0 outside keep; 1 on kept tokens when no IS applies), before any batch normalisation.
+    (0 outside keep; 1 on kept tokens when no IS applies), before any batch normalisation;
+    valid_weights: token-level IS weights on valid tokens, 0 elsewhere (token level only).
     """
     out = Partials()
     valid = tok.valid
     out.add_sum("hist:token_log_ratio", LogHistogram.count(tok.clamped, tok.num_invalid))
-    extremes = _valid_extremes(tok, tok.clamped, 0.0)
+    known = tok.log_ratio_extremes if tok.clamped is tok.log_ratio else None
+    extremes = _valid_extremes(tok, tok.clamped, 0.0, known)
     if extremes is not None:
         out.add_max("token_log_ratio_max", extremes[0])
         out.add_min("token_log_ratio_min", extremes[1])
 
     if cfg.rollout_token_veto_threshold is not None:
-        catastrophic = tok.log_ratio < math.log(cfg.rollout_token_veto_threshold)
-        out.add_sum("num_catastrophic_tokens", _count(catastrophic & valid))
+        # Only a vetoed row can hold a catastrophic token; skip the pass when none was vetoed.
+        count = torch.zeros((), dtype=torch.float64)
+        if bool(decisions["veto"].any()):
+            # Invalid tokens hold log-ratio 0, never below log(threshold) < 0.
+            count = _count(tok.log_ratio < math.log(cfg.rollout_token_veto_threshold))
+        out.add_sum("num_catastrophic_tokens", count)
 
     if cfg.rollout_is == "token":
+        assert valid_weights is not None  # the caller computes them at token level
         weights, _ = token_is_weights(tok, cfg)
-        valid_weights = valid_token_is_weights(tok, cfg)
         out.add_sum("is_w2_sum", torch.linalg.vector_norm(valid_weights).double().square())
-        extremes = _valid_extremes(tok, weights, _bounded_one(cfg))
+        extremes = _valid_extremes(tok, weights, bounded_one(cfg))
         if extremes is not None:
             out.add_max("is_w_max", extremes[0])
             out.add_min("is_w_min", extremes[1])
-        out.add_sum("is_high_count", _count((tok.clamped > math.log(cfg.rollout_is_threshold)) & valid))
-        out.add_sum("is_low_count", _count((tok.clamped < math.log(cfg.is_lower)) & valid))
+        log_upper, log_lower = math.log(cfg.rollout_is_threshold), math.log(cfg.is_lower)
+        # Invalid tokens hold log-ratio 0; they only need masking out when the bounds exclude 1.
+        needs_mask = tok.num_invalid > 0 and not log_lower <= 0.0 <= log_upper
+        high, low = tok.clamped > log_upper, tok.clamped < log_lower
+        out.add_sum("is_high_count", _count(high & valid if needs_mask else high))
+        out.add_sum("is_low_count", _count(low & valid if needs_mask else low))
         if cfg.metrics_only:  # the written weights are all 1: sum what would have been applied
-            out.add_sum("is_weight_kept_sum", (valid_weights * keep).sum().double())
+            out.add_sum("is_weight_kept_sum", torch.linalg.vecdot(valid_weights, keep.float()).sum().double())
         else:
             out.add_sum("is_weight_kept_sum", kept_weights.sum().double())
         out.add_sum("is_weight_kept_count", _count(keep))
@@ -119,15 +138,6 @@ def token_metric_partials(
             rejected = rejected | tok.cache["rs_rejected_any"]
         out.add_sum("rs_rejected_tokens", _count(rejected & valid))
     return out
-
-
-def _bounded_one(cfg: RolloutCorrectionConfig) -> float:
-    """The weight an invalid token carries: its ratio is exactly 1, bounded like any other."""
-    upper, lower = cfg.rollout_is_threshold, cfg.is_lower
-    if cfg.rollout_is_mode == "mask":
-        return 1.0 if lower <= 1.0 <= upper else 0.0
-    floor = lower if cfg.rollout_is_two_sided else float("-inf")
-    return min(max(1.0, floor), upper)
 
 
 def _token_criterion_partials(out: Partials, tok: TokenChunk, criterion: RejectionCriterion) -> None:

@@ -18,21 +18,31 @@ from nemo_rollout_correction.core.weights import bound_weights
 
 
 def token_is_weights(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> tuple[Tensor, Tensor | None]:
-    """Bounded token-level IS weights `[rows, seq]` and the mask-mode in-bounds flags (cached)."""
+    """Bounded token-level IS weights `[rows, seq]` and the mask-mode in-bounds flags (cached).
+
+    Invalid tokens carry the bound applied to a ratio of exactly 1 (see `bounded_one`).
+    """
     if "is_weight" not in tok.cache:
-        weights, in_bounds = bound_weights(tok.ratio, tok.clamped, cfg)
-        tok.cache["is_weight"] = weights
-        if in_bounds is not None:
-            tok.cache["is_in_bounds"] = in_bounds
+        if cfg.rollout_is_mode == "truncate":
+            # exp then clamp in place: one temporary instead of ratio + weights.
+            upper = cfg.rollout_is_threshold
+            lower = cfg.is_lower if cfg.rollout_is_two_sided else None
+            tok.cache["is_weight"] = torch.exp(tok.clamped).clamp_(min=lower, max=upper)
+        else:
+            weights, in_bounds = bound_weights(torch.exp(tok.clamped), tok.clamped, cfg)
+            tok.cache["is_weight"] = weights
+            if in_bounds is not None:
+                tok.cache["is_in_bounds"] = in_bounds
     return tok.cache["is_weight"], tok.cache.get("is_in_bounds")
 
 
-def valid_token_is_weights(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Tensor:
-    """Token-level IS weights on valid tokens and 0 elsewhere, `[rows, seq]` (cached)."""
-    if "valid_is_weight" not in tok.cache:
-        weights, _ = token_is_weights(tok, cfg)
-        tok.cache["valid_is_weight"] = weights * tok.valid_f
-    return tok.cache["valid_is_weight"]
+def bounded_one(cfg: RolloutCorrectionConfig) -> float:
+    """The weight the bound gives a ratio of exactly 1: what invalid tokens carry."""
+    upper, lower = cfg.rollout_is_threshold, cfg.is_lower
+    if cfg.rollout_is_mode == "mask":
+        return 1.0 if lower <= 1.0 <= upper else 0.0
+    floor = lower if cfg.rollout_is_two_sided else float("-inf")
+    return min(max(1.0, floor), upper)
 
 
 def token_rs_rejected(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> dict[str, Tensor]:
@@ -80,11 +90,11 @@ def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Pa
     else:
         seq.sums["num_nonfinite"] = _row_sum(tok.nonfinite)
     sum_log_ratio = _row_sum(tok.log_ratio)
-    sum_rollout = _row_sum(tok.rollout_valid)
+    sum_rollout = tok.row_sum_rollout.double()
     seq.sums["sum_log_ratio"] = sum_log_ratio
     seq.sums["sum_rollout_logprobs"] = sum_rollout
     seq.sums["sum_old_logprobs"] = sum_rollout + sum_log_ratio
-    seq.sums["sum_k3"] = _row_sum(tok.k3)
+    seq.sums["sum_k3"] = tok.row_sum_k3().double()
     # sum rho^2 = sum (rho - 1)^2 + 2 sum (rho - 1) + n, with rho - 1 = 0 on invalid tokens.
     sum_expm1 = _row_sum(tok.expm1)
     tok.cache["row_sum_expm1"] = sum_expm1
@@ -100,12 +110,14 @@ def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Pa
             seq.maxs[f"max_{criterion.statistic}"] = _row_amax(values)
 
     if cfg.rollout_token_veto_threshold is not None:
-        # Unclamped: a veto threshold below e^-20 must still fire on a ratio of e^-50.
-        seq.mins["min_log_ratio"] = _row_amin(tok.log_ratio - tok.pad)
+        # Unclamped, so a veto threshold below e^-20 still fires on a ratio of e^-50. Invalid tokens
+        # hold 0, which never changes the decision min < log(threshold) < 0: the partial is the
+        # row minimum over valid tokens and 0, with no padding mask needed.
+        seq.mins["min_log_ratio"] = _row_amin(tok.log_ratio)
 
     if cfg.rollout_is == "token":
-        _, in_bounds = token_is_weights(tok, cfg)
-        seq.sums["sum_token_is_weight"] = _row_sum(valid_token_is_weights(tok, cfg))
+        weights, in_bounds = token_is_weights(tok, cfg)
+        seq.sums["sum_token_is_weight"] = torch.linalg.vecdot(weights, tok.valid_f).double()
         seq.sums["sum_token_raw_weight"] = sum_expm1 + num_tokens
         if in_bounds is not None:
             seq.sums["num_is_rejected"] = _row_sum(tok.valid & ~in_bounds)

@@ -88,7 +88,7 @@ def test_chunking_changes_nothing(c: RolloutCorrectionConfig, chunk: int, monkey
     old, rollout, mask = make_batch()
     reference = compute_rollout_correction(old, rollout, mask, c)
     monkeypatch.setattr(correction, "CHUNK_ELEMENTS", chunk)
-    assert len(correction._row_chunks(old)) > 1
+    assert len(correction.row_chunks(old)) > 1
     chunked = compute_rollout_correction(old, rollout, mask, c)
     assert_outputs_close(chunked, reference)
     assert_metrics_close(chunked.metrics, reference.metrics)
