@@ -252,6 +252,8 @@ def _check_nonfinite_fraction(partials: Partials, cfg: RolloutCorrectionConfig) 
 def _concat_decisions(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     if not parts:
         return {"keep": torch.zeros(0, dtype=torch.bool), "rs_any": torch.zeros(0, dtype=torch.bool)}
+    if len(parts) == 1:
+        return parts[0]
     return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
 

@@ -450,13 +450,21 @@ def _div(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator > 0 else 0.0
 
 
+def _scalars(values: dict[str, Tensor]) -> dict[str, float]:
+    """0-d tensors as floats through one stack and one host transfer, not one `.item()` each."""
+    if not values:
+        return {}
+    floats = torch.stack(list(values.values())).tolist()
+    return dict(zip(values, floats, strict=True))
+
+
 class _Finalizer:
     """Reads partials as floats in one conversion each; absent or infinite extremes read as 0."""
 
     def __init__(self, partials: Partials) -> None:
-        self._sums = {k: float(v) for k, v in partials.sums.items() if v.dim() == 0}
-        self._maxs = {k: float(v) for k, v in partials.maxs.items()}
-        self._mins = {k: float(v) for k, v in partials.mins.items()}
+        self._sums = _scalars({k: v for k, v in partials.sums.items() if v.dim() == 0})
+        self._maxs = _scalars(partials.maxs)
+        self._mins = _scalars(partials.mins)
 
     def sum(self, name: str) -> float:
         return self._sums.get(name, 0.0)

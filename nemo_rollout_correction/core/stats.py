@@ -31,19 +31,22 @@ class Partials:
 
     def add_sum(self, name: str, value: Tensor) -> None:
         """Accumulate `value` into the SUM statistic `name`."""
-        value = value.to(torch.float64)
+        if value.dtype != torch.float64:  # most callers already pass float64; skip the dispatch
+            value = value.to(torch.float64)
         current = self.sums.get(name)
         self.sums[name] = value if current is None else current + value
 
     def add_max(self, name: str, value: Tensor) -> None:
         """Accumulate `value` into the MAX statistic `name`."""
-        value = value.to(torch.float64)
+        if value.dtype != torch.float64:  # most callers already pass float64; skip the dispatch
+            value = value.to(torch.float64)
         current = self.maxs.get(name)
         self.maxs[name] = value if current is None else torch.maximum(current, value)
 
     def add_min(self, name: str, value: Tensor) -> None:
         """Accumulate `value` into the MIN statistic `name`."""
-        value = value.to(torch.float64)
+        if value.dtype != torch.float64:  # most callers already pass float64; skip the dispatch
+            value = value.to(torch.float64)
         current = self.mins.get(name)
         self.mins[name] = value if current is None else torch.minimum(current, value)
 
@@ -63,6 +66,8 @@ class Partials:
         out = Partials()
         if not parts:
             return out
+        if len(parts) == 1:
+            return parts[0]
         for kind in ("sums", "maxs", "mins"):
             target: dict[str, Tensor] = getattr(out, kind)
             for name in getattr(parts[0], kind):
@@ -150,15 +155,11 @@ class LogHistogram:
             return [0.0] * len(qs)
         cdf = torch.cumsum(counts, 0) + zero_count
         values = _bin_values(cls.MAG_LO, cls.MAG_HI, cls.SHIFT)
-        out: list[float] = []
-        for q in qs:
-            target = q * total
-            if zero_count > 0 and zero_count >= target:
-                out.append(0.0)
-                continue
-            index = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64)).item())
-            out.append(float(values[min(index, cls.NUM_BINS - 1)]))
-        return out
+        targets = torch.tensor([q * total for q in qs], dtype=torch.float64)
+        indices = torch.searchsorted(cdf, targets).clamp_(max=cls.NUM_BINS - 1)
+        picked = values[indices].tolist()
+        # Quantiles inside the mass of exact zeros are 0.
+        return [0.0 if zero_count > 0 and zero_count >= q * total else v for q, v in zip(qs, picked, strict=True)]
 
 
 @functools.lru_cache(maxsize=4)
