@@ -29,7 +29,11 @@ from nemo_rollout_correction.core.metrics import (
     token_metric_partials,
 )
 from nemo_rollout_correction.core.rejection import sequence_rejected, vetoed
-from nemo_rollout_correction.core.sequence_stats import chunk_sequence_partials, token_is_weights
+from nemo_rollout_correction.core.sequence_stats import (
+    chunk_sequence_partials,
+    token_is_weights,
+    token_rs_rejected_any,
+)
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.core.weights import bound_weights, normalize_is_weights_
 
@@ -315,8 +319,8 @@ def _finish_chunk(
         token_weight, token_in_bounds = token_is_weights(tok, cfg)
         if token_in_bounds is not None:
             token_rejected = ~token_in_bounds
-    if "rs_rejected_any" in tok.cache:
-        rs_rejected = tok.cache["rs_rejected_any"]
+    rs_rejected = token_rs_rejected_any(tok, cfg)
+    if rs_rejected is not None:
         token_rejected = rs_rejected if token_rejected is None else token_rejected | rs_rejected
     weights_out = outputs["is_weights"][start:stop]
     all_kept = bool(seq_keep.all()) and not (apply and token_rejected is not None)

@@ -19,7 +19,7 @@ from torch import Tensor
 from nemo_rollout_correction.core.config import RejectionCriterion, RolloutCorrectionConfig
 from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
 from nemo_rollout_correction.core.rejection import sequence_statistic, statistic_bounds, token_statistic
-from nemo_rollout_correction.core.sequence_stats import bounded_one, token_is_weights
+from nemo_rollout_correction.core.sequence_stats import bounded_one, token_is_weights, token_rs_rejected_any
 from nemo_rollout_correction.core.stats import LogHistogram, Partials
 
 PREFIX = "rollout_corr/"
@@ -134,8 +134,9 @@ def token_metric_partials(
             _token_criterion_partials(out, tok, criterion)
     if cfg.rejection_criteria:
         rejected = decisions["rs_any"].unsqueeze(-1)
-        if "rs_rejected_any" in tok.cache:
-            rejected = rejected | tok.cache["rs_rejected_any"]
+        token_rejected = token_rs_rejected_any(tok, cfg)
+        if token_rejected is not None:
+            rejected = rejected | token_rejected
         out.add_sum("rs_rejected_tokens", _count(rejected & valid))
     return out
 

@@ -57,6 +57,22 @@ def token_rs_rejected(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> dict[str
     return out
 
 
+def token_rs_rejected_any(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Tensor | None:
+    """Valid tokens rejected by any token-level criterion `[rows, seq]` (cached); None without any.
+
+    Both phases call this: phase 2 may run on a fresh chunk view (context parallelism), so it
+    must never rely on phase 1 having filled the cache.
+    """
+    if "rs_rejected_any" not in tok.cache:
+        any_rejected: Tensor | None = None
+        for mask in token_rs_rejected(tok, cfg).values():
+            any_rejected = mask if any_rejected is None else any_rejected | mask
+        if any_rejected is None:
+            return None
+        tok.cache["rs_rejected_any"] = any_rejected
+    return tok.cache["rs_rejected_any"]
+
+
 def _row_sum(x: Tensor) -> Tensor:
     # Sum in the native dtype (bool -> int64 exact counts, float32 with torch's cascade summation)
     # and widen the [rows] result: `sum(dtype=float64)` would first copy the whole chunk to float64.
@@ -122,12 +138,9 @@ def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Pa
         if in_bounds is not None:
             seq.sums["num_is_rejected"] = _row_sum(tok.valid & ~in_bounds)
 
-    rejected = token_rs_rejected(tok, cfg)
-    any_rejected: Tensor | None = None
-    for name, mask in rejected.items():
+    for name, mask in token_rs_rejected(tok, cfg).items():
         seq.sums[f"num_rs_rejected:{name}"] = _row_sum(mask)
-        any_rejected = mask if any_rejected is None else any_rejected | mask
+    any_rejected = token_rs_rejected_any(tok, cfg)
     if any_rejected is not None:
-        tok.cache["rs_rejected_any"] = any_rejected
         seq.sums["num_rs_token_rejected"] = _row_sum(any_rejected)
     return seq

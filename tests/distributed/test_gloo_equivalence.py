@@ -27,26 +27,15 @@ pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 
-# Core bug (reported with issue 3's first slice): `core.finish_correction`, phase 2 of the
-# two-phase API, never applies token-level rejection sampling: the token RS masks are only cached
-# by phase 1 (`chunk_sequence_partials`) on a TokenChunk that phase 2 does not see, so the keep
-# mask and `rollout_rs_masked_fraction` miss them. Without CP the distributed layer uses core's
-# one-call path and is exact; with CP it must use the two phases. The test
-# `test_core_phase_two_applies_token_rejection` pins the bug in one process. Strict: these turn
-# into failures the day core is fixed, as a reminder to drop them.
-_CORE_BUG = "core.finish_correction ignores token-level RS (phase-1 cache only)"
-_WRONG_MASKS = {"rs_token_k3_only", "bypass_rs"}
-_WRONG_METRICS = _WRONG_MASKS | {"rs_token_k1_is_mask", "rs_metrics_only"}
+# Token-level rejection under CP exercises core's phase 2 on a fresh chunk view; these configs
+# caught a core bug (phase 2 ignored token RS) that test_core_phase_two_applies_token_rejection
+# now pins in one process.
+_TOKEN_RS_CONFIGS = {"rs_token_k3_only", "bypass_rs", "rs_token_k1_is_mask", "rs_metrics_only"}
 
 
-def cases(affected: set[str]) -> list[Any]:
-    """Every (layout, config), with the core bug's cases as strict xfails where CP is on."""
-    out = []
-    for layout, lay in LAYOUTS.items():
-        for name in CONFIGS:
-            marks = [pytest.mark.xfail(strict=True, reason=_CORE_BUG)] if lay.cp > 1 and name in affected else []
-            out.append(pytest.param(layout, name, id=f"{layout}-{name}", marks=marks))
-    return out
+def cases() -> list[Any]:
+    """Every (layout, config)."""
+    return [pytest.param(layout, name, id=f"{layout}-{name}") for layout in LAYOUTS for name in CONFIGS]
 
 
 @functools.cache
@@ -96,7 +85,7 @@ def close(actual: float, expected: float) -> bool:
     return math.isclose(actual, expected, rel_tol=TOL, abs_tol=TOL)
 
 
-@pytest.mark.parametrize(("layout", "name"), cases(_WRONG_MASKS))
+@pytest.mark.parametrize(("layout", "name"), cases())
 def test_weights_masks_and_denominators(gloo_run: dict[str, Any], layout: str, name: str) -> None:
     results = layout_results(gloo_run, layout, name)
     ref = reference(name)
@@ -116,7 +105,7 @@ def test_weights_masks_and_denominators(gloo_run: dict[str, Any], layout: str, n
             torch.testing.assert_close(mb["seq_kept_tokens"][local_keeps], expected[start:stop][local_keeps])
 
 
-@pytest.mark.parametrize(("layout", "name"), cases(_WRONG_METRICS))
+@pytest.mark.parametrize(("layout", "name"), cases())
 def test_every_metric_equals_the_single_process_value(gloo_run: dict[str, Any], layout: str, name: str) -> None:
     results = layout_results(gloo_run, layout, name)
     expected = reference(name)["out"].metrics
@@ -128,7 +117,7 @@ def test_every_metric_equals_the_single_process_value(gloo_run: dict[str, Any], 
     assert not wrong, f"metrics differ from the single-process values (got, expected): {wrong}"
 
 
-@pytest.mark.parametrize(("layout", "name"), cases(_WRONG_MASKS))
+@pytest.mark.parametrize(("layout", "name"), cases())
 def test_loss_and_gradient_with_the_global_denominator(gloo_run: dict[str, Any], layout: str, name: str) -> None:
     results = layout_results(gloo_run, layout, name)
     ref = reference(name)
@@ -203,10 +192,9 @@ def test_the_scenarios_exercise_rejection_and_the_lane_is_fast(gloo_run: dict[st
     assert gloo_run["seconds"] < 120, f"the 4-rank launch took {gloo_run['seconds']:.0f} s"
 
 
-@pytest.mark.xfail(strict=True, reason=_CORE_BUG)
-@pytest.mark.parametrize("name", sorted(_WRONG_METRICS))
+@pytest.mark.parametrize("name", sorted(_TOKEN_RS_CONFIGS))
 def test_core_phase_two_applies_token_rejection(name: str) -> None:
-    """One process, no distribution: core's two phases must equal its one call (they do not yet)."""
+    """One process, no distribution: core's two phases equal its one call with token-level RS."""
     cfg = CONFIGS[name]
     data = make_data()
     old = data["logprobs"] if cfg.bypass_mode else data["old"]

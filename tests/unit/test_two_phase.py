@@ -51,6 +51,10 @@ CONFIGS = [
         rollout_rs_threshold="0.8_1.25,0.05,0.01,0.2,0.05", rejected_tokens_in_denominator=True),
     cfg(rollout_is="geometric", rollout_rs="seq_max_k3,seq_sum_k3", rollout_rs_threshold="0.05,0.1",
         metrics_only=True, rollout_token_veto_threshold=1e-4),
+    # Token-level rejection alone: no sequence criterion may reject the same tokens and hide a
+    # phase 2 that forgets token RS (a bug the distributed tests caught).
+    cfg(rollout_rs="token_k3", rollout_rs_threshold="0.002"),
+    cfg(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.97_1.03", metrics_only=True),
 ]
 IDS = [f"c{i}" for i in range(len(CONFIGS))]
 
