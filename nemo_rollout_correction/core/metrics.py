@@ -183,7 +183,9 @@ def sequence_metric_partials(seq: Partials, cfg: RolloutCorrectionConfig, decisi
     if "veto" in decisions:
         out.add_sum("num_vetoed_seqs", _count(decisions["veto"]))
 
-    mean_old = seq.sums["sum_old_logprobs"] / n
+    # sum old = sum rollout + sum log-ratio: derived here rather than carried as one more
+    # per-sequence row through the context-parallel reduction.
+    mean_old = (seq.sums["sum_rollout_logprobs"] + seq.sums["sum_log_ratio"]) / n
     mean_rollout = seq.sums["sum_rollout_logprobs"] / n
     # A perplexity above e^300 is meaningless but must not overflow the float64 sums to inf.
     out.add_sum("training_ppl_sum", _masked_sum(torch.exp((-mean_old).clamp(max=_PPL_LOG_BOUND)), has))

@@ -109,7 +109,6 @@ def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Pa
     sum_rollout = tok.row_sum_rollout.double()
     seq.sums["sum_log_ratio"] = sum_log_ratio
     seq.sums["sum_rollout_logprobs"] = sum_rollout
-    seq.sums["sum_old_logprobs"] = sum_rollout + sum_log_ratio
     seq.sums["sum_k3"] = tok.row_sum_k3().double()
     # sum rho^2 = sum (rho - 1)^2 + 2 sum (rho - 1) + n, with rho - 1 = 0 on invalid tokens.
     sum_expm1 = _row_sum(tok.expm1)
