@@ -312,7 +312,9 @@ def _finish_chunk(
     decisions["keep"] = seq_keep
 
     # -- token-level keep mask (bool for the output, float 0/1 for cheap arithmetic) ----------
-    keep = tok.valid & seq_keep.unsqueeze(-1)
+    every_sequence_kept = bool(seq_keep.all())
+    # Read-only from here on: when every sequence is kept, `keep` may alias the caller's mask.
+    keep = tok.valid if every_sequence_kept else tok.valid & seq_keep.unsqueeze(-1)
     token_weight: Tensor | None = None
     token_rejected: Tensor | None = None
     if cfg.rollout_is == "token":
@@ -323,9 +325,9 @@ def _finish_chunk(
     if rs_rejected is not None:
         token_rejected = rs_rejected if token_rejected is None else token_rejected | rs_rejected
     weights_out = outputs["is_weights"][start:stop]
-    all_kept = bool(seq_keep.all()) and not (apply and token_rejected is not None)
+    all_kept = every_sequence_kept and not (apply and token_rejected is not None)
     if apply and token_rejected is not None:
-        keep &= ~token_rejected
+        keep = keep & ~token_rejected  # a new tensor: never write into an alias of the input
     outputs["keep_mask"][start:stop] = keep
 
     valid_weights: Tensor | None = None

@@ -116,8 +116,10 @@ class LogHistogram:
 
     @classmethod
     def _raw_index(cls, u: Tensor) -> Tensor:
-        # Arithmetic shift of the int32 view: negative floats map to negative keys.
-        return ((u.contiguous().view(torch.int32) >> cls.SHIFT).long() + 32768).flatten()
+        # Arithmetic shift of the int32 view (negative floats map to negative keys), kept in int32:
+        # bincount accepts it, and torch.bitwise_right_shift is several times cheaper than `>>`.
+        keys = torch.bitwise_right_shift(u.contiguous().view(torch.int32), cls.SHIFT)
+        return keys.add_(32768).flatten()
 
     @classmethod
     def count(cls, u: Tensor, num_ignored_zeros: int = 0) -> Tensor:

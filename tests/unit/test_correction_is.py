@@ -201,13 +201,25 @@ def test_no_is_weights_equal_keep_mask() -> None:
         assert "rollout_corr/rollout_is_mean" not in out.metrics
 
 
-def test_inputs_are_not_modified_and_outputs_detached() -> None:
+MUTATION_CONFIGS = [RolloutCorrectionConfig.from_preset(n) for n in RolloutCorrectionConfig.preset_names()] + [
+    cfg(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.9_1.1"),
+    cfg(rollout_is="token", rollout_is_mode="mask", rollout_is_threshold=1.05),
+]
+
+
+@pytest.mark.parametrize("c", MUTATION_CONFIGS)
+def test_inputs_are_not_modified_and_outputs_detached(c: RolloutCorrectionConfig) -> None:
     old, rollout, mask = batch()
     old.requires_grad_(True)
     before = (old.detach().clone(), rollout.clone(), mask.clone())
-    out = compute_rollout_correction(old, rollout, mask, cfg(rollout_is="token"))
+    out = compute_rollout_correction(old, rollout, mask, c)
     assert not out.is_weights.requires_grad
     assert torch.equal(old.detach(), before[0]) and torch.equal(rollout, before[1]) and torch.equal(mask, before[2])
+    # The outputs own their memory: writing to them cannot reach the caller's tensors.
+    out.keep_mask.fill_(False)
+    out.denominator_mask.fill_(False)
+    out.is_weights.fill_(0.0)
+    assert torch.equal(mask, before[2]) and torch.equal(rollout, before[1])
 
 
 # ---- batch normalisation -----------------------------------------------------------------------
