@@ -32,6 +32,7 @@ from nemo_rollout_correction.distributed.correction import (
 )
 from nemo_rollout_correction.distributed.groups import ParallelGroups, build_parallel_groups
 from nemo_rollout_correction.distributed.reduce import PartialsSchema, all_gather_flat, all_reduce_partials
+from nemo_rollout_correction.distributed.vocab_parallel import SamplingReplay, support_counts, vocab_parallel_logprobs
 
 __all__ = [
     "CP_LAYOUTS",
@@ -41,6 +42,7 @@ __all__ = [
     "PackedSequences",
     "ParallelGroups",
     "PartialsSchema",
+    "SamplingReplay",
     "StepReduction",
     "all_gather_flat",
     "all_reduce_partials",
@@ -53,6 +55,8 @@ __all__ = [
     "reduce_step_metrics",
     "reduce_step_partials",
     "shard_sequence",
+    "support_counts",
     "thd_token_indices",
     "unshard_sequence",
+    "vocab_parallel_logprobs",
 ]
