@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's test command: builds (or reuses) .venv, installs the package with its dev extra
+# The README's test command: builds (or reuses) .venv, installs the package with its dev and megatron extras
 # (torch pinned to the local CPU build through ci/constraints.txt), then runs the static checks
 # and the default test lane. Exits non-zero on the first failure.
 #   bash ci/test.sh            # default lane (excludes tests marked slow)
@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/_venv.sh
-ensure_venv dev
+ensure_venv dev,megatron
 
 echo "== ruff =="
 ruff check .
