@@ -4,8 +4,8 @@ A `ParallelGroups` names, for the calling rank, the groups of Megatron-Core's pa
 the rank's coordinates in them. Three ways to get one:
 
 - `ParallelGroups.from_megatron()`: from an initialised `megatron.core.parallel_state` (imported
-  lazily; megatron-core is an optional dependency and that path is exercised only where it is
-  installed, not in the CPU dev lane);
+  lazily; megatron-core is an optional dependency, installed in the default CI lane through the
+  `megatron` extra, where tests/integration/test_megatron_tp.py exercises this path);
 - `build_parallel_groups(tp, cp, dp, pp)`: from plain `torch.distributed`, in Megatron's default
   rank order (tensor parallel fastest, then context parallel, then data parallel, then pipeline);
   used by the gloo tests and by callers without Megatron;
@@ -91,7 +91,8 @@ class ParallelGroups:
         """The groups of an initialised `megatron.core.parallel_state`.
 
         Raises ImportError when megatron-core is not installed and RuntimeError when its parallel
-        state is not initialised. Not exercised by the CPU test lane (megatron-core is optional).
+        state is not initialised. Exercised on a real TP=1 x DP=2 and TP=2 parallel state by
+        tests/integration/test_megatron_tp.py (the `megatron` extra is in the default CI lane).
         """
         from megatron.core import parallel_state as mpu  # optional dependency, imported lazily
 

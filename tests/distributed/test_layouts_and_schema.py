@@ -3,7 +3,6 @@ reduction schema, the fused reduction on one rank, and the one-rank path of the 
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
@@ -101,13 +100,6 @@ def test_parallel_groups_validation() -> None:
         ParallelGroups(cp_size=2, cp_rank=1, dp_cp_rank=1)
     with pytest.raises(ValueError, match="dp_rank=2"):
         ParallelGroups(dp_rank=2, dp_size=2)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is not None, reason="megatron-core is installed")
-def test_megatron_path_is_import_guarded() -> None:
-    # The package imports without megatron-core; asking for its groups says what is missing.
-    with pytest.raises(ImportError):
-        ParallelGroups.from_megatron()
 
 
 # ---- reduction schema and the fused reduction --------------------------------------------------
