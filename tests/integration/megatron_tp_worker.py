@@ -24,6 +24,8 @@ from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.objective import rollout_corrected_policy_loss
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_rollout_correction.losses.megatron import MegatronLossBatch, make_megatron_loss_func
+from nemo_rollout_correction.losses.rollout_corrected_pg import RolloutCorrectedPolicyLoss
 from nemo_rollout_correction.models import megatron_cpu
 
 VOCAB = 64
@@ -67,8 +69,14 @@ def _unsharded(model: nn.Module, values: dict[str, Tensor], group: Any, size: in
     return out
 
 
-def _run(model: nn.Module, batch: dict[str, Tensor], tp_group: Any, tp_size: int) -> dict[str, Any]:
-    """Every case: forward, logprobs, loss, backward; returns values and unsharded gradients."""
+def _run(model: nn.Module, batch: dict[str, Tensor], groups: ParallelGroups) -> dict[str, Any]:
+    """Every case: forward, logprobs, loss, backward; returns values and unsharded gradients.
+
+    Each case runs twice: through `core.objective` on vocab-parallel logprobs, and through the
+    Megatron `forward_step` loss function (`losses.megatron`) on the raw TP-sharded logits, with
+    Megatron's per-token-loss semantics (backward of loss_sum / num_tokens for one microbatch).
+    """
+    tp_group, tp_size = groups.tp_group, groups.tp_size
     tokens = batch["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
@@ -84,7 +92,11 @@ def _run(model: nn.Module, batch: dict[str, Tensor], tp_group: Any, tp_size: int
                                             old_logprobs=logprobs.detach())
         out.loss.backward()
         grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        megatron_loss, megatron_grads = _megatron_loss_func_run(
+            model, inputs, targets, position_ids, mask, batch, cfg, rollout_logprobs, logprobs.detach(), groups)
         results[case] = {
+            "megatron_loss": megatron_loss,
+            "megatron_grads": _unsharded(model, megatron_grads, tp_group, tp_size),
             "logits_shape": tuple(logits.shape),
             "logprobs": logprobs.detach().clone(),
             "loss": out.loss.detach().clone(),
@@ -94,6 +106,25 @@ def _run(model: nn.Module, batch: dict[str, Tensor], tp_group: Any, tp_size: int
             "num_grads": len(grads),
         }
     return results
+
+
+def _megatron_loss_func_run(model: nn.Module, inputs: Tensor, targets: Tensor, position_ids: Tensor, mask: Tensor,
+                            batch: dict[str, Tensor], cfg: RolloutCorrectionConfig, rollout_logprobs: Tensor,
+                            old_logprobs: Tensor, groups: ParallelGroups) -> tuple[Tensor, dict[str, Tensor]]:
+    """One microbatch through `make_megatron_loss_func` as Megatron's schedule would call it."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=inputs, position_ids=position_ids, attention_mask=mask)
+    loss_batch = MegatronLossBatch(rollout_logprobs=rollout_logprobs, advantages=batch["advantages"],
+                                   loss_mask=batch["loss_mask"], old_logprobs=old_logprobs, target_ids=targets)
+    loss_func = make_megatron_loss_func(loss_batch, RolloutCorrectedPolicyLoss(cfg), groups)
+    loss_sum, num_tokens, _report = loss_func(logits)
+    # calculate_per_token_loss: Megatron back-propagates loss_sum and divides the gradients by the
+    # step's total num_tokens (all-reduced over dp x cp; the TP=1 layout's DP copies hold the same
+    # data, so the local ratio is the step's).
+    loss = loss_sum / num_tokens
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach().clone(), grads
 
 
 def _layout(groups: ParallelGroups) -> dict[str, Any]:
@@ -123,7 +154,7 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
     cfg1 = megatron_cpu.tiny_gpt_config(tensor_model_parallel_size=1)
     model1 = megatron_cpu.build_tiny_gpt(cfg1, vocab_size=VOCAB, max_sequence_length=SEQ)
     full_weights = {name: p.detach().clone() for name, p in model1.named_parameters()}
-    tp1 = _run(model1, batch, None, 1)
+    tp1 = _run(model1, batch, ParallelGroups.from_megatron())
     parallel_state.destroy_model_parallel()
     timings["tp1"] = time.perf_counter() - started
 
@@ -140,7 +171,7 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
     sharded = [name for name, p in model2.named_parameters() if megatron_cpu.tp_partition(p) is not None]
     megatron_cpu.load_unsharded_parameters(model2, full_weights, tp_rank, 2)
     gathered_weights = _unsharded(model2, dict(model2.named_parameters()), tp_group, 2)
-    tp2 = _run(model2, batch, tp_group, 2)
+    tp2 = _run(model2, batch, groups)
     parallel_state.destroy_model_parallel()
     timings["tp2"] = time.perf_counter() - started
 

@@ -81,6 +81,20 @@ def test_tp2_loss_logprobs_grads_match_tp1(megatron_run: dict[str, Any], case: s
             _close(got["grads"][name], grad, f"grad {name}")
 
 
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_megatron_forward_step_loss_func_matches_objective_and_tp1(megatron_run: dict[str, Any], case: str) -> None:
+    """The Megatron forward_step loss function on raw TP-sharded logits gives the core objective's
+    loss and parameter gradients, at TP=1 and at TP=2 (so TP=2 through it matches TP=1)."""
+    reference = megatron_run["ranks"][0]["tp1"][case]
+    for res in megatron_run["ranks"]:
+        for layout in ("tp1", "tp2"):
+            got = res[layout][case]
+            _close(got["megatron_loss"], reference["loss"], f"{layout} megatron loss")
+            assert got["megatron_grads"].keys() == reference["grads"].keys()
+            for name, grad in reference["grads"].items():
+                _close(got["megatron_grads"][name], grad, f"{layout} megatron grad {name}")
+
+
 def test_parallel_groups_from_megatron(megatron_run: dict[str, Any]) -> None:
     for res in megatron_run["ranks"]:
         layouts = res["layouts"]
