@@ -50,6 +50,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Same inputs as the single-process benchmark (this directory is on sys.path when run as a script).
+from bench_correction import make_inputs
 from torch import Tensor
 
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
@@ -65,21 +68,6 @@ APPROACHES = ("ours", "gather-full/allreduce", "gather-full/object")
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
                 "reduce_scatter", "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter",
                 "all_to_all", "all_to_all_single", "barrier")
-
-
-def make_inputs(batch: int, seq: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Full-sequence (old, rollout, mask[bool]) as in bench_correction.make_inputs."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + batch * 7919 + seq)
-    rollout = torch.empty(batch, seq).exponential_(1.0, generator=gen).neg_()
-    old = torch.randn(batch, seq, generator=gen).mul_(0.02)
-    outliers = torch.rand(batch, seq, generator=gen) < 1e-3
-    old[outliers] *= 50.0
-    old.add_(rollout).clamp_(max=0.0)
-    lengths = torch.randint(max(1, seq // 16), seq + 1, (batch, 1), generator=gen)
-    mask = torch.arange(seq).unsqueeze(0) < lengths
-    rollout.masked_fill_(~mask, 0.0)
-    old.masked_fill_(~mask, 0.0)
-    return old, rollout, mask
 
 
 class Counter:

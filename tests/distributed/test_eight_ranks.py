@@ -26,7 +26,7 @@ import eight_rank_workers
 import pytest
 import torch
 from eight_rank_workers import LAYOUTS, LOSS_CONFIGS, LOSS_MODES, configs_of
-from test_gloo_equivalence import TOL, assemble, close, reference
+from test_gloo_equivalence import TOL, assemble, assert_step_metrics_match, close, reference
 from test_losses import assemble as assemble_logit_grads
 
 from nemo_rollout_correction.core.objective import rollout_corrected_policy_loss
@@ -75,14 +75,7 @@ def test_weights_masks_and_denominators(eight_run: dict[str, Any], layout: str, 
 
 @pytest.mark.parametrize(("layout", "name"), correction_cases())
 def test_every_metric_equals_the_single_process_value(eight_run: dict[str, Any], layout: str, name: str) -> None:
-    results = results_of(eight_run, layout, name)
-    expected = reference(name)["out"].metrics
-    first = results[0]["metrics"]
-    for result in results[1:]:
-        assert result["metrics"] == first, "ranks disagree on the step's metrics"
-    assert first.keys() == expected.keys()
-    wrong = {k: (first[k], v) for k, v in expected.items() if not close(first[k], v)}
-    assert not wrong, f"metrics differ from the single-process values (got, expected): {wrong}"
+    assert_step_metrics_match(results_of(eight_run, layout, name), name)
 
 
 @pytest.mark.parametrize(("layout", "name"), correction_cases())

@@ -105,9 +105,8 @@ def test_weights_masks_and_denominators(gloo_run: dict[str, Any], layout: str, n
             torch.testing.assert_close(mb["seq_kept_tokens"][local_keeps], expected[start:stop][local_keeps])
 
 
-@pytest.mark.parametrize(("layout", "name"), cases())
-def test_every_metric_equals_the_single_process_value(gloo_run: dict[str, Any], layout: str, name: str) -> None:
-    results = layout_results(gloo_run, layout, name)
+def assert_step_metrics_match(results: list[dict[str, Any]], name: str) -> None:
+    """Every rank reports the same step metrics, equal to the single-process values of config `name`."""
     expected = reference(name)["out"].metrics
     first = results[0]["metrics"]
     for result in results[1:]:
@@ -115,6 +114,11 @@ def test_every_metric_equals_the_single_process_value(gloo_run: dict[str, Any], 
     assert first.keys() == expected.keys()
     wrong = {k: (first[k], v) for k, v in expected.items() if not close(first[k], v)}
     assert not wrong, f"metrics differ from the single-process values (got, expected): {wrong}"
+
+
+@pytest.mark.parametrize(("layout", "name"), cases())
+def test_every_metric_equals_the_single_process_value(gloo_run: dict[str, Any], layout: str, name: str) -> None:
+    assert_step_metrics_match(layout_results(gloo_run, layout, name), name)
 
 
 @pytest.mark.parametrize(("layout", "name"), cases())
