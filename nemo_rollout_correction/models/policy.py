@@ -1,0 +1,157 @@
+"""The trainer's policy: a Megatron-Core `GPTModel` loaded from a Hugging Face Llama-family checkpoint.
+
+`MegatronPolicy.from_hf` builds the model for the current `megatron.core.parallel_state` (TP size from
+it), loads and shards the Hugging Face weights, and scores token sequences: `token_logprobs` returns the
+log-probability of every next token under the full-vocabulary (optionally vLLM-processed) softmax,
+computed with `distributed.vocab_parallel_logprobs` so TP-sharded logits are never gathered.
+`hf_weights()` yields the current weights under Hugging Face names with TP shards gathered: the payload of
+a rollout-engine refit and of a Hugging Face export.
+
+Pipeline parallelism: `from_hf` builds the right stage (pre/post process, layer offsets) and the
+weight conversion handles stages; `logits`/`token_logprobs` run a whole model and so need PP = 1 (the
+trainer uses Megatron's pipeline schedule for PP > 1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nemo_rollout_correction.distributed.tensor_gather import group_rank, group_size
+from nemo_rollout_correction.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_rollout_correction.models.hf_llama import (
+    LlamaArch,
+    build_gpt_model,
+    iter_hf_weights,
+    load_hf_state_dict,
+    load_hf_weights,
+    read_arch,
+    transformer_config,
+)
+from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask, seed_model_parallel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """`"float32"|"bfloat16"|"float16"` (or a torch dtype) -> torch dtype; ValueError names the allowed values."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; allowed: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass
+class MegatronPolicy:
+    """A Megatron-Core GPT policy plus the metadata needed to score tokens and export weights."""
+
+    model: nn.Module
+    arch: LlamaArch
+    hf_dir: Path
+    tp_group: Any = None
+    pp_size: int = 1
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size (1 without torch.distributed)."""
+        return group_size(self.tp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in the tensor-parallel group."""
+        return group_rank(self.tp_group)
+
+    @classmethod
+    def from_hf(cls, hf_dir: str | Path, *, params_dtype: str | torch.dtype = "float32", seed: int = 1234,
+                use_transformer_engine: bool | None = None) -> MegatronPolicy:
+        """Build this rank's model stage for `parallel_state`'s TP/PP sizes and load the HF weights.
+
+        `megatron.core.parallel_state` must be initialised (also for one process). Every rank reads the
+        Hugging Face files itself (they are small on the machines this targets; on a cluster they sit on
+        a shared filesystem).
+        """
+        from megatron.core import parallel_state as ps
+
+        hf_dir = Path(hf_dir)
+        arch = read_arch(hf_dir)
+        tp = ps.get_tensor_model_parallel_world_size()
+        pp = ps.get_pipeline_model_parallel_world_size()
+        dtype = parse_dtype(params_dtype)
+        seed_model_parallel(seed)
+        config = transformer_config(arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, params_dtype=dtype)
+        model = build_gpt_model(arch, config, pre_process=ps.is_pipeline_first_stage(),
+                                post_process=ps.is_pipeline_last_stage(),
+                                use_transformer_engine=use_transformer_engine)
+        load_hf_weights(model, load_hf_state_dict(hf_dir), arch, tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp)
+        group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp)
+
+    def logits(self, input_ids: Tensor) -> Tensor:
+        """Vocab-sharded logits `[batch, seq, vocab / tp]` for right-padded `input_ids` `[batch, seq]`.
+
+        Causal attention makes right padding harmless: positions before a sequence's end never attend
+        to its padding.
+        """
+        if self.pp_size != 1:
+            raise RuntimeError("logits() runs the whole model: use Megatron's pipeline schedule when PP > 1")
+        batch, seq = input_ids.shape
+        device = next(self.model.parameters()).device
+        input_ids = input_ids.to(device)
+        position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
+        out: Tensor = self.model(input_ids=input_ids, position_ids=position_ids,
+                                 attention_mask=causal_attention_mask(seq, device=device))
+        return out
+
+    def logprobs_from_logits(self, logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0,
+                             top_k: int | None = None, top_p: float | None = None) -> Tensor:
+        """`[batch, seq - 1]` float32: logprob of `input_ids[:, t + 1]` given its prefix, from `[b, s, V/tp]` logits."""
+        return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:].to(logits.device), self.tp_group,
+                                       temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def token_logprobs(self, input_ids: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                       top_p: float | None = None) -> Tensor:
+        """`[batch, seq - 1]` float32 logprobs of each next token (vLLM's processed distribution when
+        temperature/top-k/top-p are given), identical on every TP rank; differentiable."""
+        return self.logprobs_from_logits(self.logits(input_ids), input_ids, temperature=temperature, top_k=top_k,
+                                         top_p=top_p)
+
+    def hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(Hugging Face name, full tensor) for this pipeline stage; every TP rank must iterate (collectives)."""
+        return iter_hf_weights(self.model, self.arch, tp_group=self.tp_group, dtype=dtype)
+
+    def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """`hf_weights()` collected into a dict of CPU tensors."""
+        return {name: tensor.detach().to("cpu").clone() for name, tensor in self.hf_weights(dtype)}
+
+    def save_hf(self, out_dir: str | Path, *, write: bool = True) -> Path | None:
+        """Export the current weights as a Hugging Face checkpoint (config and tokenizer copied from `hf_dir`).
+
+        Every TP rank must call it (gathers); only ranks with `write=True` write. Needs PP = 1.
+        """
+        state = self.hf_state_dict()
+        if not write:
+            return None
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for item in self.hf_dir.iterdir():
+            weights = item.name.endswith(".safetensors") or item.name == "model.safetensors.index.json"
+            if item.is_file() and not weights:
+                shutil.copy2(item, out / item.name)
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((out / "config.json").read_text())
+        config["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        return out
+
+
+__all__ = ["MegatronPolicy", "parse_dtype"]

