@@ -49,6 +49,8 @@ __all__ = [
 DEFAULTS_NAME = "nrc_defaults"
 """Name under which the schema defaults are registered in Hydra's ConfigStore (first in conf/config.yaml)."""
 
+_FALLBACK_ROOT = "nrc_root"
+
 # The repository's conf/ directory (the package is installed editable from the repository).
 _REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -183,13 +185,22 @@ def _compose(overrides: list[str], config_dir: str | Path | None) -> dict[str, A
     _check_override_syntax(overrides)
     _register_defaults()
     hydra_overrides = list(overrides)
-    if len(dirs) > 1:  # the user's directory is primary; conf/ is searched after it
+    config_name = "config"
+    if len(dirs) > 1:
+        # The user's directory is primary (its files win); conf/ is searched after it. Without a
+        # config.yaml of its own, conf/config.yaml is the root: Hydra looks up the primary config
+        # before it reads hydra.searchpath, so that root is registered in the ConfigStore under
+        # another name (a stored "config" would collide with config.yaml files).
         hydra_overrides.append(f"hydra.searchpath=[file://{dirs[1]}]")
+        if not (dirs[0] / "config.yaml").is_file():
+            root = yaml.safe_load((dirs[1] / "config.yaml").read_text())
+            ConfigStore.instance().store(name=_FALLBACK_ROOT, node=root)
+            config_name = _FALLBACK_ROOT
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(dirs[0]), version_base=None):
-            cfg = compose(config_name="config", overrides=hydra_overrides)
+            cfg = compose(config_name=config_name, overrides=hydra_overrides)
             plain = OmegaConf.to_container(cfg, resolve=True)
     except MissingConfigException as exc:
         raise ConfigError(_missing_option_message(exc, config_dir)) from None
@@ -218,6 +229,9 @@ def _hydra_message(exc: HydraException, config_dir: str | Path | None) -> str:
     if match:
         key = match.group(1)
         groups = available_groups(config_dir)
+        if key in groups:
+            return (f"group {key!r} is not in the defaults list of the root config.yaml; add '- {key}: <option>' "
+                    f"there, or select it with +{key}=<option> (options: {', '.join(groups[key])})")
         hint = suggest_key(key, TrainConfig)
         if "." not in key:
             close = difflib.get_close_matches(key, list(groups), n=1, cutoff=0.75)
