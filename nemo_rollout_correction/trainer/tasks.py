@@ -1,0 +1,253 @@
+"""Built-in tasks: a set of prompt records plus the reward function that scores them.
+
+- ``arithmetic``: locally generated "What is a + b?" / "What is a - b?" problems with operands in
+  ``[0, max_operand]``; reward: :func:`~nemo_rollout_correction.trainer.rewards.arithmetic_reward`.
+- ``length_target``: short generic writing instructions; reward:
+  :func:`~nemo_rollout_correction.trainer.rewards.length_target_reward`, 0 when the response has
+  ``target_length`` tokens (the length task of TRL's rollout-correction experiments, seed 000).
+- ``dataset``: a user's JSONL/Parquet file (``dataset_path``); reward: ``reward_fn`` if given,
+  else the numeric-answer reward when every record has a numeric answer.
+
+Everything is generated from ``seed`` with a local RNG: no download, same records on every rank.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
+from nemo_rollout_correction.trainer.rewards import (
+    arithmetic_reward,
+    length_target_reward,
+    load_reward_fn,
+    reward_fn_name,
+)
+
+__all__ = [
+    "LENGTH_TARGET_INSTRUCTIONS",
+    "TASK_NAMES",
+    "Task",
+    "arithmetic_records",
+    "build_task",
+    "length_target_records",
+]
+
+TASK_NAMES = ("arithmetic", "length_target", "dataset")
+ARITHMETIC_OPERATIONS = ("+", "-")
+# Above this many distinct problems, draw by rejection instead of enumerating them all.
+_ENUMERATE_LIMIT = 200_000
+
+LENGTH_TARGET_INSTRUCTIONS: tuple[str, ...] = (
+    "Write a sentence about the sea.",
+    "Describe a rainy morning.",
+    "Tell me something about cats.",
+    "Write a short note to a friend.",
+    "Describe your favourite food.",
+    "Write a sentence about the moon.",
+    "Explain what a bicycle is.",
+    "Describe a busy market.",
+    "Write a line about autumn leaves.",
+    "Tell me about a quiet library.",
+    "Describe the smell of fresh bread.",
+    "Write a sentence about mountains.",
+    "Explain why people like music.",
+    "Describe a walk in the park.",
+    "Write a short greeting for a birthday card.",
+    "Tell me about a river.",
+    "Describe a sunset over a city.",
+    "Write a sentence about winter.",
+    "Explain what a garden needs.",
+    "Describe a cup of coffee.",
+    "Write a sentence about the stars.",
+    "Tell me about a train journey.",
+    "Describe a child playing.",
+    "Write a line about the wind.",
+    "Explain what makes a good friend.",
+    "Describe an old house.",
+    "Write a sentence about a forest.",
+    "Tell me about the desert.",
+    "Describe a thunderstorm.",
+    "Write a short thank-you message.",
+    "Explain what a map is for.",
+    "Describe a snowy street.",
+    "Write a sentence about birds.",
+    "Tell me about a lighthouse.",
+    "Describe the first day of spring.",
+    "Write a line about a candle.",
+    "Explain why sleep matters.",
+    "Describe a fishing boat.",
+    "Write a sentence about a bridge.",
+    "Tell me about a small village.",
+    "Describe the taste of an orange.",
+    "Write a sentence about the ocean waves.",
+    "Explain what a calendar does.",
+    "Describe a crowded bus.",
+    "Write a line about a summer night.",
+    "Tell me about a mountain lake.",
+    "Describe a painting you like.",
+    "Write a sentence about a dog.",
+    "Explain what a clock is.",
+    "Describe a walk on the beach.",
+)
+
+
+@dataclass(frozen=True)
+class Task:
+    """Prompt records and the reward that scores their completions.
+
+    Attributes:
+        name: one of :data:`TASK_NAMES`.
+        records: ``[num_records]`` prompts.
+        reward_fn: a :class:`~nemo_rollout_correction.trainer.rewards.RewardFn`.
+        reward_name: ``module:qualname`` of ``reward_fn``, for logs.
+    """
+
+    name: str
+    records: list[PromptRecord]
+    reward_fn: Callable[..., Sequence[float]]
+    reward_name: str
+
+
+def arithmetic_records(
+    num_prompts: int, max_operand: int = 10, seed: int = 0, operations: Sequence[str] = ARITHMETIC_OPERATIONS
+) -> list[PromptRecord]:
+    """``[num_prompts]`` problems "What is a <op> b?" with ``a, b`` in ``[0, max_operand]``.
+
+    Subtraction puts the larger operand first so every answer is a non-negative integer (the task
+    measures learning, not a 135M model's grasp of negative numbers). Problems are distinct while
+    ``num_prompts`` does not exceed the number of distinct problems; beyond that the shuffled set
+    repeats. Deterministic in ``(num_prompts, max_operand, seed, operations)``.
+    """
+    _check_positive("num_prompts", num_prompts)
+    _check_positive("max_operand", max_operand)
+    unknown = [op for op in operations if op not in ARITHMETIC_OPERATIONS]
+    if not operations or unknown:
+        raise ValueError(f"operations must be a non-empty subset of {ARITHMETIC_OPERATIONS}, got {tuple(operations)}")
+    operations = tuple(dict.fromkeys(operations))
+    rng = random.Random(f"arithmetic-{seed}")  # str seeds hash deterministically (unlike hash())
+    span = max_operand + 1
+    per_op = {"+": span * span, "-": span * (span + 1) // 2}
+    total = sum(per_op[op] for op in operations)
+    if total <= _ENUMERATE_LIMIT:
+        problems = [(a, op, b) for op in operations for a in range(span) for b in range(span) if op == "+" or a >= b]
+        rng.shuffle(problems)
+    else:  # huge space: rejection-sample num_prompts distinct problems (num_prompts << total)
+        seen: set[tuple[int, str, int]] = set()
+        problems = []
+        while len(problems) < min(num_prompts, total):
+            op, a, b = rng.choice(operations), rng.randrange(span), rng.randrange(span)
+            problem = (max(a, b), op, min(a, b)) if op == "-" else (a, op, b)
+            if problem not in seen:
+                seen.add(problem)
+                problems.append(problem)
+    records = []
+    for index in range(num_prompts):
+        a, op, b = problems[index % len(problems)]
+        answer = a + b if op == "+" else a - b
+        records.append(
+            PromptRecord(
+                prompt=f"What is {a} {op} {b}?",
+                answer=str(answer),
+                metadata={"task": "arithmetic", "a": a, "b": b, "op": op},
+            )
+        )
+    return records
+
+
+def length_target_records(num_prompts: int, target_length: int = 16, seed: int = 0) -> list[PromptRecord]:
+    """``[num_prompts]`` instructions from :data:`LENGTH_TARGET_INSTRUCTIONS`, each with ``target_length`` tokens.
+
+    The 50 instructions are shuffled by ``seed`` and cycled when ``num_prompts`` exceeds 50.
+    """
+    _check_positive("num_prompts", num_prompts)
+    _check_positive("target_length", target_length)
+    order = list(LENGTH_TARGET_INSTRUCTIONS)
+    random.Random(f"length_target-{seed}").shuffle(order)
+    return [
+        PromptRecord(
+            prompt=order[index % len(order)],
+            answer=None,
+            metadata={"task": "length_target", "target_length": target_length},
+        )
+        for index in range(num_prompts)
+    ]
+
+
+def build_task(
+    name: str,
+    *,
+    num_prompts: int = 256,
+    seed: int = 0,
+    max_operand: int = 10,
+    target_length: int = 16,
+    dataset_path: str | Path | None = None,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    reward_fn: str | Callable[..., Sequence[float]] | None = None,
+    **unused: Any,
+) -> Task:
+    """Build a task from the ``task:`` config section (see docs/tasks.md).
+
+    Args:
+        name: ``arithmetic``, ``length_target`` or ``dataset``.
+        num_prompts: records generated by the built-in tasks (ignored by ``dataset``, which uses the file).
+        seed: generator seed of the built-in tasks.
+        max_operand: ``arithmetic``: largest operand.
+        target_length: ``length_target``: target response length in tokens.
+        dataset_path, prompt_key, answer_key: ``dataset``: the file and its field names.
+        reward_fn: overrides the task's default reward: a callable, a built-in name
+            (``arithmetic``, ``length_target``) or ``"pkg.module:callable"`` / ``"file.py:callable"``.
+        **unused: other ``task`` fields (``prompts_per_step``, ``use_chat_template``) are accepted and
+            ignored, so the whole config section can be passed.
+
+    Raises:
+        ValueError: unknown task name, ``dataset`` without ``dataset_path``, a dataset without a
+            ``reward_fn`` whose answers are not all numeric, or a bad option value.
+        DatasetError, RewardError: from loading the file or the reward function.
+    """
+    del unused
+    if name == "arithmetic":
+        records = arithmetic_records(num_prompts, max_operand=max_operand, seed=seed)
+        default: Callable[..., Sequence[float]] | None = arithmetic_reward
+    elif name == "length_target":
+        records = length_target_records(num_prompts, target_length=target_length, seed=seed)
+        default = length_target_reward
+    elif name == "dataset":
+        if dataset_path is None:
+            raise ValueError("task.name=dataset needs task.dataset_path=<file.jsonl|file.parquet>")
+        records = load_prompt_dataset(dataset_path, prompt_key=prompt_key, answer_key=answer_key)
+        default = arithmetic_reward if reward_fn is None and _all_numeric_answers(records, dataset_path) else None
+    else:
+        raise ValueError(f"unknown task.name {name!r}; allowed: {', '.join(TASK_NAMES)}")
+    if reward_fn is None:
+        resolved = default
+    elif isinstance(reward_fn, str):
+        resolved = load_reward_fn(reward_fn)
+    elif callable(reward_fn):
+        resolved = reward_fn
+    else:
+        raise ValueError(f"task.reward_fn must be a string 'pkg.module:callable' or a callable, got {reward_fn!r}")
+    assert resolved is not None  # dataset without numeric answers raised in _all_numeric_answers
+    return Task(name=name, records=records, reward_fn=resolved, reward_name=reward_fn_name(resolved))
+
+
+def _all_numeric_answers(records: list[PromptRecord], path: str | Path) -> bool:
+    """True if every record has a numeric answer; raises with the first offender otherwise."""
+    for index, record in enumerate(records):
+        try:
+            float((record.answer or "").replace(",", ""))
+        except ValueError:
+            raise ValueError(
+                f"{path}: record {index} has answer {record.answer!r}, so the default numeric-answer reward "
+                "does not apply; set task.reward_fn=pkg.module:callable (or a built-in: arithmetic, length_target)"
+            ) from None
+    return True
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
