@@ -297,7 +297,10 @@ class MlflowTracker:
         self.log_artifact(path, "config")
 
     def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
-        """Upload a file or directory under `artifact_path` (None: the run's artifact root).
+        """Upload a file, or a directory's contents, under `artifact_path` (None: the run's artifact root).
+
+        Same convention as MLflow: `log_artifact("a/b.png", "plots")` -> `plots/b.png`;
+        `log_artifact("review/step_000005", "review/step_000005")` -> `review/step_000005/<files>`.
 
         The file is copied into the journal's spool first, so the caller may overwrite or delete it
         right away; the copy is removed after upload. Raises FileNotFoundError for a missing path.

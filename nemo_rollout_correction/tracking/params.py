@@ -55,7 +55,7 @@ def sanitize_key(key: str) -> str:
     key = "/".join(part if part not in (".", "..") else "_" for part in key.split("/"))
     if len(key) > MAX_KEY_LENGTH:
         digest = hashlib.sha1(key.encode()).hexdigest()[:8]
-        key = f"{key[: MAX_KEY_LENGTH - 9]}~{digest}"
+        key = f"{key[: MAX_KEY_LENGTH - 9]}-{digest}"
     return key
 
 

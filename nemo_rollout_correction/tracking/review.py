@@ -1,0 +1,106 @@
+"""One call per review step: plots + worst-sequences table into `review/step_<n>/`, logged as artifacts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .mlflow_tracker import MlflowTracker
+from .plots import plot_is_weight_histogram, plot_mismatch_vs_length, plot_reward_curve
+from .tables import SequenceReview, write_worst_sequences
+
+IS_HISTOGRAM = "is_weights.png"
+MISMATCH_VS_LENGTH = "mismatch_vs_length.png"
+REWARD_CURVE = "reward.png"
+WORST_SEQUENCES = "worst_sequences.parquet"
+
+
+@dataclass(frozen=True)
+class RewardHistory:
+    """Reward curve so far: `[num_points]` steps, mean reward, optional std."""
+
+    steps: Any
+    mean: Any
+    std: Any | None = None
+
+
+def review_dir_name(step: int) -> str:
+    """`step_000012`: zero-padded so the MLflow artifact browser lists steps in order."""
+    return f"step_{step:06d}"
+
+
+def write_review_artifacts(
+    out_dir: Path | str,
+    step: int,
+    *,
+    raw_is_weights: Any,
+    applied_is_weights: Any,
+    sequences: SequenceReview,
+    rewards: RewardHistory | None = None,
+    top_k: int = 16,
+    sort_by: str = "max_abs_log_ratio",
+    mismatch: str = "kl",
+) -> Path:
+    """Write the review files of one step into `<out_dir>/step_<n>/` and return that directory.
+
+    Args:
+        raw_is_weights / applied_is_weights: `[num_kept_tokens]` IS weights before bounding and as applied.
+        sequences: per-sequence data of the step (`[num_sequences]` each).
+        rewards: reward history for the curve (skipped when None).
+        top_k / sort_by: worst-sequences table size and ranking key (see tables.SORT_KEYS).
+        mismatch: y of the length plot: "kl" or "mean_abs_log_ratio" (|seq log-ratio sum| / length).
+    """
+    import numpy as np
+
+    directory = Path(out_dir) / review_dir_name(step)
+    directory.mkdir(parents=True, exist_ok=True)
+    plot_is_weight_histogram(raw_is_weights, applied_is_weights, directory / IS_HISTOGRAM,
+                             title=f"IS weights, step {step}")
+    if mismatch == "kl":
+        y, label = sequences.kl, "per-sequence KL"
+    elif mismatch == "mean_abs_log_ratio":
+        lengths = np.maximum(sequences.response_lengths, 1)
+        y, label = np.abs(sequences.seq_log_ratio_sum) / lengths, "|seq log ratio| / length"
+    else:
+        raise ValueError(f"mismatch={mismatch!r}: allowed 'kl', 'mean_abs_log_ratio'")
+    plot_mismatch_vs_length(sequences.response_lengths, y, directory / MISMATCH_VS_LENGTH, mismatch_label=label,
+                            title=f"{label} vs length, step {step}")
+    if rewards is not None:
+        plot_reward_curve(rewards.steps, rewards.mean, directory / REWARD_CURVE, std=rewards.std)
+    write_worst_sequences(sequences, step, directory / WORST_SEQUENCES, top_k=top_k, sort_by=sort_by)
+    return directory
+
+
+def log_review_artifacts(
+    tracker: MlflowTracker,
+    step: int,
+    *,
+    raw_is_weights: Any,
+    applied_is_weights: Any,
+    sequences: SequenceReview,
+    rewards: RewardHistory | None = None,
+    top_k: int = 16,
+    sort_by: str = "max_abs_log_ratio",
+    mismatch: str = "kl",
+    out_dir: Path | str | None = None,
+) -> Path | None:
+    """Write the review files (see write_review_artifacts) and log them as artifacts `review/step_<n>/`.
+
+    Files go to `out_dir` (default `<run_dir>/review/`). Only the active rank writes; others return None.
+    """
+    if not tracker.active:
+        return None
+    directory = write_review_artifacts(
+        out_dir if out_dir is not None else tracker.run_dir / "review",
+        step,
+        raw_is_weights=raw_is_weights,
+        applied_is_weights=applied_is_weights,
+        sequences=sequences,
+        rewards=rewards,
+        top_k=top_k,
+        sort_by=sort_by,
+        mismatch=mismatch,
+    )
+    tracker.log_artifact(directory, f"review/{review_dir_name(step)}")
+    return directory
