@@ -100,8 +100,13 @@ def records_from_dicts(
 
 def _read_jsonl(file: Path) -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = []
-    with file.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with file.open("rb") as handle:  # bytes, so a bad encoding is reported with its line number
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                # utf-8-sig on the first line drops a byte-order mark that some editors write
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise DatasetError(f"{file}: line {line_number}: not valid UTF-8 ({error.reason})") from error
             if not line.strip():
                 continue  # blank lines (a trailing newline, spacing) carry no record
             try:

@@ -20,6 +20,7 @@ numbers; :func:`score` checks that and names the function, the index and the val
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import math
@@ -195,8 +196,8 @@ def _import_module(module_name: str, spec: str) -> Any:
         path = Path(module_name).expanduser().resolve()
         if not path.is_file():
             raise RewardError(f"reward_fn {spec!r}: file {path} not found")
-        # A stable, unique module name so the worker can re-import it and tracebacks read well.
-        name = f"_nrc_reward_{path.stem}_{abs(hash(str(path))):x}"
+        # A unique, readable module name per file (tracebacks show it); sha1 is stable across processes.
+        name = f"_nrc_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
         loader_spec = importlib.util.spec_from_file_location(name, path)
         if loader_spec is None or loader_spec.loader is None:
             raise RewardError(f"reward_fn {spec!r}: cannot load {path} as a Python module")

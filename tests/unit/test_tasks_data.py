@@ -88,6 +88,16 @@ def test_jsonl_errors_name_file_and_line(tmp_path: Path, lines: list[str], match
         load_prompt_dataset(path)
 
 
+def test_encoding(tmp_path: Path) -> None:
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "caf\u00e9"}, ensure_ascii=False).encode() + b"\n")
+    assert load_prompt_dataset(bom) == [PromptRecord("caf\u00e9")]
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DatasetError, match=r"latin1\.jsonl: line 2: not valid UTF-8"):
+        load_prompt_dataset(latin1)
+
+
 def test_empty_file(tmp_path: Path) -> None:
     path = tmp_path / "empty.jsonl"
     path.write_text("")
