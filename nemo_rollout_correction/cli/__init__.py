@@ -1,11 +1,11 @@
 """`nrc`: the command-line entry point.
 
 Subcommands:
-  nrc demo      every preset applied to generated rollouts with a real bf16-vs-fp32 mismatch
-  nrc presets   list the presets and their resolved fields
-
-The GRPO trainer (`nrc train`) and `nrc audit` arrive with later issues; until then `nrc demo`
-is the main job that README.md runs.
+  nrc train         GRPO with rollout correction: vLLM rollouts, Megatron-Core policy, MLflow (the main job)
+  nrc audit         measure the rollout/trainer mismatch of a model + engine + dtype before a long run
+  nrc config show   print the resolved training configuration (after overrides)
+  nrc demo          every preset applied to generated rollouts with a real bf16-vs-fp32 mismatch
+  nrc presets       list the presets and their resolved fields
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from nemo_rollout_correction import RolloutCorrectionConfig, __version__, compute_rollout_correction
+from nemo_rollout_correction.cli import train as train_cli
 
 # The columns of the demo table: (header, metric key without the rollout_corr/ prefix).
 _COLUMNS: tuple[tuple[str, str], ...] = (
@@ -130,7 +131,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = sub.add_parser("presets", help="list the presets and their fields")
     presets.set_defaults(func=run_presets)
+
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved `nrc train` configuration as YAML")
+    show.add_argument("overrides", nargs="*", help="key=value overrides, as for `nrc train`")
+    show.set_defaults(func=run_config_show)
+
+    train_cli.add_parser(sub)
     return parser
+
+
+def run_config_show(args: argparse.Namespace) -> int:
+    """`nrc config show [overrides]`: the composed, validated configuration."""
+    from nemo_rollout_correction.config import ConfigError, config_show
+
+    try:
+        print(config_show(list(args.overrides)), end="")
+    except ConfigError as exc:
+        print(f"nrc config show: configuration error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _positive_int(text: str) -> int:

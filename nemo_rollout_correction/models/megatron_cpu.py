@@ -21,23 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-
-def patch_cuda_for_cpu() -> bool:
-    """Make `torch.cuda.current_device()` return `"cpu"` when CUDA is unavailable (idempotent).
-
-    Megatron-Core uses the result as a `device=` argument, which `"cpu"` satisfies. Returns whether
-    the patch is (now) active; with CUDA available nothing is changed and False is returned.
-    """
-    if torch.cuda.is_available():
-        return False
-    if not getattr(torch.cuda.current_device, "_nrc_cpu_patch", False):
-
-        def current_device() -> str:
-            return "cpu"
-
-        current_device._nrc_cpu_patch = True  # type: ignore[attr-defined]
-        torch.cuda.current_device = current_device  # type: ignore[assignment]
-    return True
+from nemo_rollout_correction.distributed.cpu_compat import patch_cuda_for_cpu
 
 
 def seed_model_parallel(seed: int) -> None:

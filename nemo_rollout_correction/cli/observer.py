@@ -1,0 +1,72 @@
+"""The MLflow-backed `TrainObserver`: step metrics, the resolved config, tags and review artifacts.
+
+Glue between the trainer and the tracking layer (independent siblings in DESIGN.md's layering), so it
+lives in the CLI. Runs on the logging rank only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.tracking import MlflowTracker
+from nemo_rollout_correction.tracking.review import RewardHistory, log_review_artifacts
+from nemo_rollout_correction.tracking.tables import SequenceReview
+from nemo_rollout_correction.trainer.observer import StepReview
+
+
+class MlflowObserver:
+    """Forwards the trainer's reports to an `MlflowTracker` (started by the caller, so failures surface early)."""
+
+    def __init__(self, cfg: TrainConfig, tracker: MlflowTracker) -> None:
+        self.cfg = cfg
+        self.tracker = tracker
+        self.reward_steps: list[int] = []
+        self.reward_means: list[float] = []
+        self.reward_stds: list[float] = []
+
+    def on_start(self, resolved_config: dict[str, Any], resume_state: dict[str, Any] | None) -> None:
+        """Log the resolved config as params and as `config/resolved.yaml` (idempotent on resume)."""
+        self.tracker.log_config(resolved_config)
+        if resume_state:
+            self.reward_steps = list(resume_state.get("reward_steps", []))
+            self.reward_means = list(resume_state.get("reward_means", []))
+            self.reward_stds = list(resume_state.get("reward_stds", []))
+
+    def wants_review(self, step: int) -> bool:
+        """Review artifacts every `tracking.plot_every` steps (0 disables them)."""
+        every = self.cfg.tracking.plot_every
+        return every > 0 and step % every == 0
+
+    def on_step(self, step: int, metrics: dict[str, float], review: StepReview | None) -> None:
+        """Log the step's metrics (buffered through outages) and, on review steps, plots and tables."""
+        self.reward_steps.append(step)
+        self.reward_means.append(metrics["reward/mean"])
+        self.reward_stds.append(metrics.get("reward/std", 0.0))
+        self.tracker.log_metrics(metrics, step=step)
+        if review is None:
+            return
+        sequences = SequenceReview.create(
+            prompts=review.prompts, responses=review.responses, response_lengths=review.response_lengths.numpy(),
+            seq_log_ratio_sum=review.seq_log_ratio.double().numpy(),
+            max_abs_log_ratio=review.seq_max_abs_log_ratio.double().numpy(), kl=review.seq_kl.double().numpy(),
+            is_weight=review.seq_is_weight.double().numpy(), kept=review.kept.numpy(),
+            reward=review.rewards.double().numpy())
+        log_review_artifacts(
+            self.tracker, step, raw_is_weights=review.raw_is_weights.double().numpy(),
+            applied_is_weights=review.applied_is_weights.double().numpy(), sequences=sequences,
+            rewards=RewardHistory(self.reward_steps, self.reward_means, self.reward_stds),
+            top_k=self.cfg.tracking.worst_sequences, out_dir=Path(self.cfg.run.output_dir) / "review")
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The MLflow run id (a resumed run continues it) and the reward curve so far."""
+        return {"mlflow_run_id": self.tracker.run_id, "reward_steps": self.reward_steps,
+                "reward_means": self.reward_means, "reward_stds": self.reward_stds}
+
+    def on_end(self, status: str) -> None:
+        """Flush and close the MLflow run with `status`."""
+        self.tracker.close(status)  # type: ignore[arg-type]
+
+
+__all__ = ["MlflowObserver"]

@@ -1,0 +1,107 @@
+"""`nrc train [key=value ...]`: the GRPO main job (see docs/training.md).
+
+Order of operations is chosen so failures are cheap and loud:
+1. the configuration is composed and validated (bad override -> exit 2 with the key named);
+2. torch.distributed and Megatron's parallel state are initialised (torchrun or one process);
+3. on the logging rank, the MLflow store is contacted BEFORE any model work (unreachable -> exit 3);
+4. the trainer builds the policy and the vLLM engine and runs; any failure marks the MLflow run FAILED,
+   flushes what was logged, and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from nemo_rollout_correction.config import ConfigError, load_config
+from nemo_rollout_correction.config.schema import TrainConfig
+
+EXIT_CONFIG = 2
+EXIT_TRACKING = 3
+EXIT_FAILED = 1
+
+
+def _resume_run_id(cfg: TrainConfig) -> str | None:
+    """The MLflow run id stored in the newest checkpoint when resuming (None otherwise)."""
+    from nemo_rollout_correction.trainer import checkpoint as ckpt
+
+    if not cfg.run.resume:
+        return None
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.output_dir) / "checkpoints"
+    step_dir = ckpt.latest_checkpoint(ckpt_dir)
+    if step_dir is None:
+        return None
+    run_id = ckpt.load_meta(step_dir).get("observer", {}).get("mlflow_run_id")
+    return str(run_id) if run_id else None
+
+
+def run_train(overrides: Sequence[str]) -> int:
+    """Run the GRPO job with Hydra-style `overrides`; returns the exit code."""
+    try:
+        cfg = load_config(list(overrides))
+    except ConfigError as exc:
+        print(f"nrc train: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+    from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
+                           cfg.policy.context_parallel_size)
+    Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
+    observer = None
+    tracker = None
+    if runtime.is_main and cfg.tracking.enabled:
+        from nemo_rollout_correction.cli.observer import MlflowObserver
+        from nemo_rollout_correction.tracking import MlflowTracker, TrackingUnavailableError
+
+        tracker = MlflowTracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.run.name, cfg.run.output_dir,
+                                rank=runtime.rank, resume_run_id=_resume_run_id(cfg),
+                                system_metrics=cfg.tracking.system_metrics)
+        try:
+            tracker.start()
+        except TrackingUnavailableError as exc:
+            print(f"nrc train: {exc}", file=sys.stderr)
+            shutdown_runtime()
+            return EXIT_TRACKING
+        observer = MlflowObserver(cfg, tracker)
+        print(f"[nrc train] MLflow run {tracker.run_id} at {tracker.tracking_uri}", file=sys.stderr)
+
+    from nemo_rollout_correction.trainer.grpo import GrpoTrainer
+
+    trainer = None
+    code = 0
+    try:
+        trainer = GrpoTrainer(cfg, runtime, observer)
+        trainer.train()
+    except Exception as exc:
+        code = EXIT_FAILED
+        print(f"nrc train: failed at step {getattr(trainer, 'step_index', 0)}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        traceback.print_exc()
+        if trainer is None and tracker is not None:  # failed before the trainer owned the run: close it here
+            tracker.close("FAILED")
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown_runtime()
+    if code == 0 and runtime.is_main:
+        print(f"[nrc train] done: {cfg.run.num_steps} steps; outputs in {cfg.run.output_dir}", file=sys.stderr)
+    return code
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `nrc train`."""
+    parser = sub.add_parser("train", help="run GRPO with rollout correction (vLLM rollouts, Megatron-Core policy)",
+                            description="Run GRPO. Overrides use Hydra syntax: key=value, group=option, "
+                                        "e.g. `nrc train run.num_steps=4 rollout_correction=decoupled_geo_rs`. "
+                                        "`nrc config show` prints the resolved configuration.")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.set_defaults(func=lambda args: run_train(args.overrides))
+
+
+__all__ = ["add_parser", "run_train"]

@@ -1,0 +1,176 @@
+"""Process-group set-up and the few step-level collectives the trainer needs.
+
+- `init_runtime(tp, pp, cp)`: initialise torch.distributed (from torchrun's environment, or a
+  one-process group when launched directly), then Megatron-Core's `parallel_state`; returns this
+  rank's `Runtime` (global rank/world, the `ParallelGroups`, whether it is the logging rank).
+- `all_reduce_gradients`: average nothing, SUM the gradients over data parallelism. The trainer's
+  microbatch losses are already divided by the global (all dp ranks) denominator, so the sum is the
+  gradient of the full-batch loss.
+- `clip_grad_norm`: the global gradient norm with TP-sharded parameters counted once per shard and
+  TP-replicated ones once in total (one all-reduce over TP), then scaling.
+- `broadcast_object`: rollouts and rewards from the rank that hosts the rollout engine.
+
+torch.distributed stays in this package (DESIGN.md, "Layers"); gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nemo_rollout_correction.distributed.cpu_compat import patch_cuda_for_cpu
+from nemo_rollout_correction.distributed.groups import ParallelGroups
+from nemo_rollout_correction.distributed.tensor_gather import broadcast_object
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    groups: ParallelGroups
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    context_parallel_size: int
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel size (world / (tp x pp x cp))."""
+        return self.groups.dp_size
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: hosts the CPU rollout engine, logs to MLflow, prints progress."""
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_runtime(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, context_parallel_size: int = 1,
+                 *, timeout_s: float = 1800.0) -> Runtime:
+    """Initialise torch.distributed and Megatron's parallel state; idempotent within a process.
+
+    Under torchrun (RANK/WORLD_SIZE set) the process group uses its env:// rendezvous; run directly,
+    a one-process group on a free local port. Raises ValueError when the world size is not a
+    multiple of tp x pp x cp.
+    """
+    from megatron.core import parallel_state as ps
+
+    patch_cuda_for_cpu()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
+    if world % model_parallel:
+        raise ValueError(f"world size {world} is not a multiple of policy.tensor_parallel_size x "
+                         f"pipeline_parallel_size x context_parallel_size = {tensor_parallel_size} x "
+                         f"{pipeline_parallel_size} x {context_parallel_size}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                     pipeline_model_parallel_size=pipeline_parallel_size,
+                                     context_parallel_size=context_parallel_size)
+    return Runtime(rank=dist.get_rank(), world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                   groups=ParallelGroups.from_megatron(), tensor_parallel_size=tensor_parallel_size,
+                   pipeline_parallel_size=pipeline_parallel_size, context_parallel_size=context_parallel_size)
+
+
+def shutdown_runtime() -> None:
+    """Destroy Megatron's parallel state and the process group (safe to call twice)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_gradients(params: Iterable[nn.Parameter], groups: ParallelGroups) -> None:
+    """SUM every parameter gradient over the data x context parallel group, in one flat buffer."""
+    if groups.dp_cp_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=groups.dp_cp_group)
+    offset = 0
+    for grad in grads:
+        count = grad.numel()
+        grad.copy_(flat[offset:offset + count].view_as(grad))
+        offset += count
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, groups: ParallelGroups) -> float:
+    """Scale gradients so the global L2 norm is at most `max_norm` (<= 0: measure only); returns the norm.
+
+    TP-sharded parameters (`tensor_model_parallel=True`) contribute their shard on every TP rank;
+    replicated ones (norm weights) only on TP rank 0, so the all-reduced sum counts each element once.
+    """
+    params = [p for p in params if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64)
+    for param in params:
+        sharded = bool(getattr(param, "tensor_model_parallel", False))
+        if sharded or groups.tp_rank == 0:
+            sq += param.grad.detach().double().pow(2).sum().cpu()  # type: ignore[union-attr]
+    if groups.tp_size > 1:
+        dist.all_reduce(sq, group=groups.tp_group)
+    norm = math.sqrt(float(sq))
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for param in params:
+            param.grad.mul_(scale)  # type: ignore[union-attr]
+    return norm
+
+
+def barrier() -> None:
+    """A barrier over the whole job (no-op without torch.distributed)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+
+
+def all_reduce_sums(values: dict[str, float], groups: ParallelGroups) -> dict[str, float]:
+    """SUM a small dict of scalars over the data x context parallel group (one float64 all-reduce).
+
+    Every rank must pass the same keys (in any order).
+    """
+    if groups.dp_cp_size == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    buf = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(buf, group=groups.dp_cp_group)
+    return dict(zip(keys, buf.tolist(), strict=True))
+
+
+__all__ = [
+    "Runtime",
+    "all_reduce_gradients",
+    "all_reduce_sums",
+    "barrier",
+    "broadcast_object",
+    "clip_grad_norm",
+    "init_runtime",
+    "shutdown_runtime",
+]

