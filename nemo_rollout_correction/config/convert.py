@@ -102,7 +102,8 @@ def _convert(value: Any, tp: Any, key: str, root: type) -> Any:
         for member in members:
             if member in (int, float, str, bool) and type(value) is member:
                 return value
-        for member in members:
+        # A number stays a number when a numeric member exists (`2` for `str | float` is 2.0).
+        for member in sorted(members, key=lambda m: m is str):
             try:
                 return _convert(value, member, key, root)
             except (_Mismatch, ConfigError):
