@@ -92,7 +92,8 @@ def to_flat_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 def to_yaml(cfg: TrainConfig) -> str:
     """The resolved config as YAML; `load_yaml` / `from_dict(yaml.safe_load(...))` gives `cfg` back."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    text: str = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return text
 
 
 def from_dict(data: Mapping[str, Any]) -> TrainConfig:
@@ -144,7 +145,7 @@ def load_config(overrides: Sequence[str] = (), config_dir: str | Path | None = N
         ConfigError: a one-line message naming the bad key, value or option and what is allowed.
     """
     tree = _compose(list(overrides), config_dir)
-    return build(TrainConfig, tree)  # type: ignore[arg-type]
+    return build(TrainConfig, tree)
 
 
 def config_show(overrides: Sequence[str] = (), config_dir: str | Path | None = None) -> str:
