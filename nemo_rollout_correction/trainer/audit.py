@@ -1,0 +1,335 @@
+"""`nrc audit`: measure the rollout/trainer mismatch of a model + engine + dtype before a long run.
+
+The audit samples responses with vLLM exactly as training would (same engine options and sampling),
+re-scores the same tokens with the Megatron-Core policy (vLLM's temperature/top-k/top-p replayed), and
+reports:
+
+- agreement: max and mean |trainer - vLLM| token logprob difference (fp32 engines agree to ~1e-6; a
+  larger value means a conversion, tokenizer or sampling-replay problem, not numerics);
+- the mismatch metrics of the rollout correction (`rollout_corr/kl`, `k3_kl`, `chi2_token`, `chi2_seq`,
+  `ppl_ratio`, token-ratio quantiles, ...), computed as in training (metrics-only, nothing applied);
+- per preset: the fraction of tokens it would truncate, reject (rejection sampling, veto, non-finite) and
+  keep, and the fraction of sequences it would drop;
+- the worst sequences by max |token log ratio|, with their text.
+
+It is the same data path as the trainer (rollout engine -> token ids -> `MegatronPolicy.token_logprobs`),
+so a clean audit means the training run starts on-policy up to numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.core.config import RolloutCorrectionConfig
+from nemo_rollout_correction.core.correction import compute_rollout_correction
+from nemo_rollout_correction.distributed.runtime import Runtime, broadcast_object
+from nemo_rollout_correction.models.policy import MegatronPolicy
+from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.trainer.settings import (
+    engine_options,
+    pad_token_id,
+    replay_options,
+    sampling_options,
+    tokenize_prompt,
+)
+
+# Mismatch metrics printed in the summary (all `rollout_corr/*` metrics are in `AuditReport.metrics`).
+SUMMARY_METRICS = (
+    "kl",
+    "k3_kl",
+    "chi2_token",
+    "chi2_seq",
+    "ppl_ratio",
+    "log_ppl_abs_diff",
+    "token_ratio_p1",
+    "token_ratio_p50",
+    "token_ratio_p99",
+    "token_log_ratio_min",
+    "token_log_ratio_max",
+)
+
+
+@dataclass
+class AuditData:
+    """Rollouts and both policies' logprobs. `[samples, L - 1]` unless noted (position t scores token t + 1)."""
+
+    batch: RolloutBatch
+    input_ids: Tensor  # [samples, L]
+    rollout_logprobs: Tensor
+    old_logprobs: Tensor
+    loss_mask: Tensor
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class AuditReport:
+    """Everything `nrc audit` prints and logs."""
+
+    model: str
+    rollout_dtype: str
+    num_sequences: int
+    num_tokens: int
+    max_abs_logprob_diff: float
+    mean_abs_logprob_diff: float
+    metrics: dict[str, float]
+    presets: dict[str, dict[str, float]]
+    worst: list[dict[str, Any]]
+    seconds: dict[str, float]
+
+    def flat_metrics(self) -> dict[str, float]:
+        """Everything numeric, flattened for MLflow (`audit/...` and `rollout_corr/...` keys)."""
+        out = {
+            "audit/max_abs_logprob_diff": self.max_abs_logprob_diff,
+            "audit/mean_abs_logprob_diff": self.mean_abs_logprob_diff,
+            "audit/num_sequences": float(self.num_sequences),
+            "audit/num_tokens": float(self.num_tokens),
+        }
+        out.update({f"timing/{k}_s": v for k, v in self.seconds.items()})
+        out.update(self.metrics)
+        for name, values in self.presets.items():
+            out.update({f"audit_preset/{name}/{k}": v for k, v in values.items()})
+        return out
+
+
+def collect(
+    policy: MegatronPolicy,
+    engine: VllmRolloutEngine | None,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingOptions,
+    replay: dict[str, Any],
+    *,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    micro_batch_size: int = 16,
+) -> AuditData:
+    """Generate on the engine rank (`engine` not None), broadcast, and re-score on every rank.
+
+    Every rank of the job must call this (the TP ranks take part in the vocab-parallel logprobs).
+    """
+    payload: Any = None
+    if engine is not None:
+        batch = engine.generate(prompts, sampling, seed=seed)
+        payload = ([dataclasses.asdict(s) for s in batch.samples], batch.n, batch.seconds)
+    samples, n, gen_seconds = broadcast_object(payload, src=0)  # type: ignore[misc]
+    batch = RolloutBatch([RolloutSample(**s) for s in samples], n=n, seconds=gen_seconds)
+    tensors = batch.to_tensors(pad_token_id)
+    start = time.perf_counter()
+    pieces = []
+    with torch.no_grad():
+        for lo in range(0, tensors["input_ids"].shape[0], micro_batch_size):
+            pieces.append(policy.token_logprobs(tensors["input_ids"][lo : lo + micro_batch_size], **replay))
+    old = torch.cat(pieces) if pieces else torch.zeros_like(tensors["rollout_logprobs"])
+    return AuditData(
+        batch=batch,
+        input_ids=tensors["input_ids"],
+        rollout_logprobs=tensors["rollout_logprobs"],
+        old_logprobs=old,
+        loss_mask=tensors["loss_mask"],
+        seconds={"generation": gen_seconds, "rescoring": time.perf_counter() - start},
+    )
+
+
+def logprob_diff(data: AuditData) -> tuple[float, float]:
+    """(max, mean) |trainer - vLLM| over response tokens (finite entries only)."""
+    diff = (data.old_logprobs - data.rollout_logprobs).abs()[data.loss_mask]
+    diff = diff[torch.isfinite(diff)]
+    if diff.numel() == 0:
+        return 0.0, 0.0
+    return float(diff.max()), float(diff.mean())
+
+
+def preset_effects(data: AuditData, presets: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per preset: fractions of response tokens truncated / rejected / kept and of sequences dropped."""
+    out: dict[str, dict[str, float]] = {}
+    for name in presets:
+        cfg = RolloutCorrectionConfig.from_preset(name)
+        m = compute_rollout_correction(data.old_logprobs, data.rollout_logprobs, data.loss_mask, cfg).metrics
+        truncated = (
+            (
+                m.get("rollout_corr/rollout_is_ratio_fraction_high", 0.0)
+                + m.get("rollout_corr/rollout_is_ratio_fraction_low", 0.0)
+            )
+            if cfg.rollout_is == "token"
+            else (
+                m.get("rollout_corr/rollout_is_seq_fraction_high", 0.0)
+                + m.get("rollout_corr/rollout_is_seq_fraction_low", 0.0)
+            )
+            if cfg.rollout_is is not None
+            else 0.0
+        )
+        valid_seqs = max(m.get("rollout_corr/num_valid_seqs", 0.0), 1.0)
+        out[name] = {
+            "truncated_fraction": float(truncated),
+            "rejected_fraction": float(m.get("rollout_corr/rollout_rs_masked_fraction", 0.0)),
+            "veto_fraction": float(m.get("rollout_corr/veto_fraction", 0.0)),
+            "kept_token_fraction": float(m["rollout_corr/kept_token_fraction"]),
+            "dropped_seq_fraction": 1.0 - float(m.get("rollout_corr/num_kept_seqs", valid_seqs)) / valid_seqs,
+        }
+    return out
+
+
+def worst_sequences(data: AuditData, k: int) -> list[dict[str, Any]]:
+    """The k samples with the largest max |token log ratio|."""
+    log_ratio = torch.where(
+        data.loss_mask, data.old_logprobs - data.rollout_logprobs, torch.zeros_like(data.old_logprobs)
+    )
+    finite = torch.nan_to_num(log_ratio, nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    worst = finite.abs().amax(-1) if finite.numel() else torch.zeros(len(data.batch.samples))
+    order = torch.argsort(worst, descending=True)[:k]
+    rows = []
+    for i in order.tolist():
+        sample = data.batch.samples[i]
+        mask = data.loss_mask[i]
+        rows.append(
+            {
+                "sample": i,
+                "prompt_index": sample.prompt_index,
+                "response_tokens": len(sample.token_ids),
+                "max_abs_log_ratio": float(worst[i]),
+                "seq_log_ratio": float(log_ratio[i][mask].sum()),
+                "text": sample.text,
+            }
+        )
+    return rows
+
+
+def build_report(
+    data: AuditData, *, model: str, rollout_dtype: str, presets: Sequence[str], worst: int, seconds: dict[str, float]
+) -> AuditReport:
+    """Assemble the report from collected data."""
+    max_diff, mean_diff = logprob_diff(data)
+    metrics = compute_rollout_correction(
+        data.old_logprobs, data.rollout_logprobs, data.loss_mask, RolloutCorrectionConfig.from_preset("disabled")
+    ).metrics
+    return AuditReport(
+        model=model,
+        rollout_dtype=rollout_dtype,
+        num_sequences=len(data.batch.samples),
+        num_tokens=int(data.loss_mask.sum()),
+        max_abs_logprob_diff=max_diff,
+        mean_abs_logprob_diff=mean_diff,
+        metrics={k: float(v) for k, v in metrics.items()},
+        presets=preset_effects(data, presets),
+        worst=worst_sequences(data, worst),
+        seconds={**seconds, **data.seconds},
+    )
+
+
+def format_report(report: AuditReport) -> str:
+    """The human-readable report `nrc audit` prints."""
+    lines = [
+        f"== nrc audit: {report.model}, vLLM dtype {report.rollout_dtype}: {report.num_sequences} sequences, "
+        f"{report.num_tokens} response tokens ==",
+        f"trainer vs vLLM token logprobs: max |diff| {report.max_abs_logprob_diff:.3e}, "
+        f"mean {report.mean_abs_logprob_diff:.3e}",
+        "",
+        "mismatch (rollout_corr/*):",
+    ]
+    for key in SUMMARY_METRICS:
+        value = report.metrics.get(f"rollout_corr/{key}")
+        if value is not None:
+            lines.append(f"  {key:<20} {value: .4e}")
+    lines += ["", f"{'preset':<28} {'truncated':>10} {'rejected':>10} {'veto':>8} {'kept':>8} {'seq drop':>9}"]
+    for name, v in report.presets.items():
+        lines.append(
+            f"{name:<28} {v['truncated_fraction']:>10.4f} {v['rejected_fraction']:>10.4f} "
+            f"{v['veto_fraction']:>8.4f} {v['kept_token_fraction']:>8.4f} {v['dropped_seq_fraction']:>9.4f}"
+        )
+    lines += ["", "worst sequences (max |log ratio|):"]
+    for row in report.worst:
+        text = row["text"].replace("\n", " ")[:80]
+        lines.append(
+            f"  #{row['sample']:<4} {row['max_abs_log_ratio']:.3e}  seq {row['seq_log_ratio']:+.3e}  "
+            f"{row['response_tokens']:>3} tok  {text!r}"
+        )
+    lines += ["", "timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())]
+    return "\n".join(lines)
+
+
+def audit_prompts(cfg: TrainConfig, tokenize: Any, num_prompts: int) -> list[list[int]]:
+    """Token ids of the first `num_prompts` prompts of the configured task (deterministic)."""
+    from nemo_rollout_correction.trainer.tasks import build_task
+
+    options = dataclasses.asdict(cfg.task)
+    name = options.pop("name")
+    task = build_task(name, seed=cfg.run.seed, **options)
+    return [tokenize(record.prompt) for record in task.records[:num_prompts]]
+
+
+def run_audit(
+    cfg: TrainConfig, runtime: Runtime, *, presets: Sequence[str] | None = None, log: Any = print
+) -> list[AuditReport]:
+    """The full audit for `cfg` (one report per audited engine dtype); every rank must call it."""
+    from transformers import AutoTokenizer
+
+    from nemo_rollout_correction.models.sources import resolve_model_source
+
+    presets = list(presets or RolloutCorrectionConfig.preset_names())
+    hf_dir = resolve_model_source(cfg.model.source)
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    pad = pad_token_id(tokenizer)
+    prompts = audit_prompts(
+        cfg, lambda text: tokenize_prompt(tokenizer, text, cfg.task.use_chat_template), cfg.audit.num_prompts
+    )
+    start = time.perf_counter()
+    policy = MegatronPolicy.from_hf(hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
+    policy_seconds = time.perf_counter() - start
+    dtypes = [cfg.rollout.dtype]
+    if cfg.audit.compare_dtypes:
+        dtypes += [d for d in ("float32", "bfloat16") if d != cfg.rollout.dtype]
+    reports = []
+    for dtype in dtypes:
+        engine = None
+        seconds = {"policy_build": policy_seconds}
+        if runtime.is_main:
+            log(f"[nrc audit] starting vLLM ({dtype}) on {hf_dir}")
+            engine = VllmRolloutEngine(engine_options(cfg, str(hf_dir), dtype))
+            seconds["engine_start"] = engine.start_seconds
+        try:
+            data = collect(
+                policy,
+                engine,
+                prompts,
+                sampling_options(cfg),
+                replay_options(cfg),
+                seed=cfg.run.seed,
+                pad_token_id=pad,
+                micro_batch_size=cfg.policy.micro_batch_size,
+            )
+        finally:
+            if engine is not None:
+                engine.shutdown()
+        reports.append(
+            build_report(
+                data,
+                model=cfg.model.source,
+                rollout_dtype=dtype,
+                presets=presets,
+                worst=cfg.audit.worst_sequences,
+                seconds=seconds,
+            )
+        )
+    return reports
+
+
+__all__ = [
+    "SUMMARY_METRICS",
+    "AuditData",
+    "AuditReport",
+    "build_report",
+    "collect",
+    "format_report",
+    "logprob_diff",
+    "preset_effects",
+    "run_audit",
+    "worst_sequences",
+]
