@@ -209,6 +209,9 @@ def _compose(overrides: list[str], config_dir: str | Path | None) -> dict[str, A
         raise ConfigError(_hydra_message(exc, config_dir)) from None
     except OmegaConfBaseException as exc:
         raise ConfigError(_omegaconf_message(exc)) from None
+    except (ValueError, KeyError, TypeError) as exc:  # Hydra raises plain ones too (e.g. `group=null`)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cannot compose the configuration from {overrides}: {first}") from None
     assert isinstance(plain, dict)
     return plain  # type: ignore[return-value]
 

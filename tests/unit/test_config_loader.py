@@ -195,6 +195,10 @@ def test_bad_override_syntax_is_one_line_naming_the_override() -> None:
     assert message.startswith("cannot parse override 'policy.lr=[1,2'")
 
 
+def test_hydra_value_errors_become_one_line_config_errors() -> None:
+    assert "rollout_correction=null" in _error(["rollout_correction=null"])
+
+
 def test_bad_interpolation_names_the_key() -> None:
     message = _error(["run.output_dir=/x/${run.nam}"])
     assert message.startswith("run.output_dir:") and "run.nam" in message
