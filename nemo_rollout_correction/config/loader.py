@@ -192,7 +192,7 @@ def _compose(overrides: list[str], config_dir: str | Path | None) -> dict[str, A
         # config.yaml of its own, conf/config.yaml is the root: Hydra looks up the primary config
         # before it reads hydra.searchpath, so that root is registered in the ConfigStore under
         # another name (a stored "config" would collide with config.yaml files).
-        hydra_overrides.append(f"hydra.searchpath=[file://{dirs[1]}]")
+        hydra_overrides.append(f"hydra.searchpath=['file://{dirs[1]}']")
         if not (dirs[0] / "config.yaml").is_file():
             root = yaml.safe_load((dirs[1] / "config.yaml").read_text())
             ConfigStore.instance().store(name=_FALLBACK_ROOT, node=root)
