@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from nemo_rollout_correction import RolloutCorrectionConfig, __version__, compute_rollout_correction
+from nemo_rollout_correction.cli import audit as audit_cli
 from nemo_rollout_correction.cli import train as train_cli
 
 # The columns of the demo table: (header, metric key without the rollout_corr/ prefix).
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=run_config_show)
 
     train_cli.add_parser(sub)
+    audit_cli.add_parser(sub)
     return parser
 
 

@@ -204,7 +204,12 @@ class VllmRolloutEngine:
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingOptions,
                  seed: int | None = None) -> RolloutBatch:
-        """Sample `sampling.n` responses per prompt. `seed` makes the call reproducible (request i gets seed + i)."""
+        """Sample `sampling.n` responses per prompt. `seed` makes the call reproducible.
+
+        Prompt i's request gets seed `seed + i * n`: vLLM derives the n samples of a request from
+        consecutive seeds, so a stride of 1 would give sample j of prompt i and sample j - 1 of prompt
+        i + 1 the same random stream (identical responses from a near-uniform policy).
+        """
         from vllm import SamplingParams
 
         sampling.validate()
@@ -219,7 +224,7 @@ class VllmRolloutEngine:
         params = [
             SamplingParams(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                            top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0, ignore_eos=sampling.ignore_eos,
-                           seed=None if seed is None else seed + index)
+                           seed=None if seed is None else seed + index * sampling.n)
             for index in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]

@@ -1,0 +1,89 @@
+"""`nrc audit [key=value ...]`: the mismatch report of a model + vLLM engine + dtype (see docs/audit.md).
+
+Uses the same configuration as `nrc train` (model, rollout engine and sampling, task prompts, policy
+dtype and parallelism, the `audit:` section). With no arguments it audits the embedded default model
+(SmolLM2-135M-Instruct) on the default task. The report is printed; it is also logged to MLflow when
+`tracking.tracking_uri` is set, and written as JSON with `--json PATH`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from nemo_rollout_correction.config import ConfigError, load_config
+
+
+def run_audit_cli(overrides: Sequence[str], json_path: str | None = None) -> int:
+    """Run the audit; returns the exit code (2: bad configuration, 3: tracking unreachable, 1: failure)."""
+    try:
+        cfg = load_config(list(overrides))
+    except ConfigError as exc:
+        print(f"nrc audit: configuration error: {exc}", file=sys.stderr)
+        return 2
+    from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
+    from nemo_rollout_correction.trainer.audit import format_report, run_audit
+
+    runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
+                           cfg.policy.context_parallel_size)
+    tracker = None
+    try:
+        if runtime.is_main and cfg.tracking.tracking_uri:
+            from nemo_rollout_correction.tracking import MlflowTracker, TrackingUnavailableError
+
+            tracker = MlflowTracker(cfg.tracking.tracking_uri, cfg.tracking.experiment,
+                                    f"audit-{Path(cfg.model.source).name}-{cfg.rollout.dtype}", cfg.run.output_dir,
+                                    rank=runtime.rank, tags={"nrc.kind": "audit"})
+            try:
+                tracker.start()
+            except TrackingUnavailableError as exc:
+                print(f"nrc audit: {exc}", file=sys.stderr)
+                return 3
+        reports = run_audit(cfg, runtime, log=lambda m: print(m, file=sys.stderr, flush=True))
+        if not runtime.is_main:
+            return 0
+        for report in reports:
+            print(format_report(report))
+            print()
+        if json_path:
+            Path(json_path).write_text(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
+        if tracker is not None:
+            from nemo_rollout_correction.config import to_dict
+
+            tracker.log_config(to_dict(cfg))
+            for step, report in enumerate(reports):
+                tracker.log_metrics(report.flat_metrics(), step=step)
+            report_file = Path(cfg.run.output_dir) / "audit_report.json"
+            report_file.parent.mkdir(parents=True, exist_ok=True)
+            report_file.write_text(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
+            tracker.log_artifact(report_file, "audit")
+            tracker.close("FINISHED")
+            tracker = None
+        return 0
+    except Exception as exc:
+        print(f"nrc audit: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if tracker is not None:
+            tracker.close("FAILED")
+        shutdown_runtime()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `nrc audit`."""
+    parser = sub.add_parser("audit", help="measure the vLLM/trainer mismatch of a model, engine and dtype",
+                            description="Generate with vLLM as training would, re-score with the Megatron policy and "
+                                        "print the mismatch report (kl, k3_kl, chi2, ppl ratio, weight quantiles, "
+                                        "what each preset would truncate or reject, worst sequences). Takes the "
+                                        "same key=value overrides as `nrc train`, e.g. rollout.dtype=bfloat16 "
+                                        "audit.compare_dtypes=true model.source=/path/to/hf_checkpoint.")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("--json", metavar="PATH", help="also write the report(s) as JSON")
+    parser.set_defaults(func=lambda args: run_audit_cli(args.overrides, args.json))
+
+
+__all__ = ["add_parser", "run_audit_cli"]
