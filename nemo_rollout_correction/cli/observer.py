@@ -27,8 +27,7 @@ class MlflowObserver:
         self.reward_stds: list[float] = []
 
     def on_start(self, resolved_config: dict[str, Any], resume_state: dict[str, Any] | None) -> None:
-        """Log the resolved config as params and as `config/resolved.yaml` (idempotent on resume)."""
-        self.tracker.log_config(resolved_config)
+        """Restore the reward curve on resume (the CLI logged the resolved config when the tracker started)."""
         if resume_state:
             self.reward_steps = list(resume_state.get("reward_steps", []))
             self.reward_means = list(resume_state.get("reward_means", []))

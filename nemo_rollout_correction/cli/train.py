@@ -31,8 +31,7 @@ def _resume_run_id(cfg: TrainConfig) -> str | None:
 
     if not cfg.run.resume:
         return None
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.output_dir) / "checkpoints"
-    step_dir = ckpt.latest_checkpoint(ckpt_dir)
+    step_dir = ckpt.latest_checkpoint(Path(cfg.checkpoint_dir))
     if step_dir is None:
         return None
     run_id = ckpt.load_meta(step_dir).get("observer", {}).get("mlflow_run_id")
@@ -68,6 +67,9 @@ def run_train(overrides: Sequence[str]) -> int:
             print(f"nrc train: {exc}", file=sys.stderr)
             shutdown_runtime()
             return EXIT_TRACKING
+        from nemo_rollout_correction.config import to_dict
+
+        tracker.log_config(to_dict(cfg))  # before any model work: a run that fails early still shows its config
         observer = MlflowObserver(cfg, tracker)
         print(f"[nrc train] MLflow run {tracker.run_id} at {tracker.tracking_uri}", file=sys.stderr)
 

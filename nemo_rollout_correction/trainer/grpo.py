@@ -23,6 +23,7 @@ everything needed for an exact resume (model, optimizer, RNG, sampler position, 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -109,7 +110,9 @@ class GrpoTrainer:
         self.observer: TrainObserver = observer if observer is not None and runtime.is_main else NullObserver()
         self.log = log if runtime.is_main else (lambda message: None)
         self.output_dir = Path(cfg.run.output_dir)
-        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.output_dir / "checkpoints"
+        self.ckpt_dir = Path(cfg.checkpoint_dir)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        cfg.check_world_size(runtime.world_size, source=f"torch.distributed world size {runtime.world_size}")
         if runtime.pipeline_parallel_size > 1 or runtime.context_parallel_size > 1:
             raise ValueError(
                 "policy.pipeline_parallel_size > 1 and policy.context_parallel_size > 1 need the GPU "
@@ -348,6 +351,9 @@ class GrpoTrainer:
         review = None
         if self.runtime.is_main and self.observer.wants_review(self.step_index):
             review = self._review(batch, microbatches, corrections, reward_t, records)
+        if self.runtime.is_main:  # a local record of every step, independent of the tracking server
+            with self.metrics_path.open("a") as handle:
+                handle.write(json.dumps({"step": self.step_index, **metrics}) + "\n")
         self.observer.on_step(self.step_index, metrics, review)
         return metrics
 

