@@ -14,7 +14,7 @@ def as_1d(name: str, values: Any, dtype: type = np.float64) -> np.ndarray:
     """
     if hasattr(values, "detach"):  # torch.Tensor, without importing torch here
         values = values.detach().to("cpu").numpy()
-    array = np.asarray(values, dtype=dtype)
+    array: np.ndarray = np.asarray(values, dtype=dtype)
     if array.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(array.shape)}")
     return array

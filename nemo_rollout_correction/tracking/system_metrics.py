@@ -29,11 +29,13 @@ def _collectors() -> list[Any]:
     from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
     from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
 
-    monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+    classes: list[Any] = [CPUMonitor, DiskMonitor, NetworkMonitor]  # mlflow's classes are untyped
+    monitors: list[Any] = [cls() for cls in classes]
     try:
-        from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+        from mlflow.system_metrics.metrics import gpu_monitor
 
-        monitors.append(GPUMonitor())
+        gpu_class: Any = gpu_monitor.GPUMonitor
+        monitors.append(gpu_class())
     except Exception:  # no pynvml / no NVIDIA GPU: CPU metrics only
         logger.debug("no NVIDIA GPU monitor; system metrics are CPU, memory, disk and network only")
     return monitors
