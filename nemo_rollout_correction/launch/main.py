@@ -7,9 +7,10 @@
     python -m nemo_rollout_correction.launch launcher.nproc_per_node=2 \\
         --entry-module nemo_rollout_correction.launch.smoke -- --output-dir /tmp/smoke
 
-`launcher.<field>=<value>` overrides set the launcher (docs/deployment.md); every override is passed
-on to `nrc train`, whose config records the `launcher:` section too. With `--entry-module` or
-`--entry` the job runs that instead, with the arguments after `--`.
+The overrides are those of `nrc train` (Hydra syntax); the composed config's `launcher:` section
+(`launcher=slurm`, `launcher.<field>=<value>`, `parallelism=<layout>`) says how to start it, and every
+override is passed on to `nrc train`. With `--entry-module` or `--entry` the job runs that instead,
+with the non-launcher overrides and the arguments after `--` (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from nemo_rollout_correction.launch.entry import Entry, shell_join, torchrun_command
-from nemo_rollout_correction.launch.settings import LauncherSettings, settings_from_overrides
+from nemo_rollout_correction.launch.settings import LauncherSettings, is_launcher_override, settings_for
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,15 +63,19 @@ def resolve(argv: Sequence[str]) -> tuple[argparse.Namespace, LauncherSettings, 
         cut = argv.index("--")
         argv, tail = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
-    settings, rest = settings_from_overrides(args.overrides)
-    if args.entry_module:
-        entry = Entry.module(args.entry_module, *rest, *tail)
-    elif args.entry:
-        entry = Entry.executable(args.entry, *rest, *tail)
+    if args.entry_module or args.entry:
+        # A custom entry: only the launcher's own overrides configure the launch; the rest go to the entry.
+        ours = [o for o in args.overrides if is_launcher_override(o)]
+        rest = [o for o in args.overrides if not is_launcher_override(o)]
+        settings = settings_for(ours)
+        make = Entry.module if args.entry_module else Entry.executable
+        entry = make(args.entry_module or args.entry, *rest, *tail)
     else:
         if tail:
             raise ValueError(f"arguments after -- ({tail}) need --entry or --entry-module; "
                              "nrc train takes key=value overrides")
+        # The whole nrc train config is composed (and validated) here, before anything is started.
+        settings = settings_for(args.overrides)
         entry = Entry.train(args.overrides)
     return args, settings, entry
 

@@ -7,7 +7,9 @@
   torchx) starts `torchrun --nnodes 1 --nproc-per-node P ...` on this machine and waits for it.
 - slurm: `run.SlurmExecutor(account, partition, time, nodes, ntasks_per_node=1, gpus_per_node=P,
   container_image, container_mounts, launcher="torchrun")`: one srun task per node runs torchrun
-  with P ranks inside the pyxis container; rendezvous at the head node. With `dryrun=True` the
+  with P ranks inside the pyxis container; rendezvous at the head node. NeMo-Run renders the sbatch
+  script from its own template (`#SBATCH` lines, `srun --container-image/--container-mounts/
+  --container-workdir`, the head node's IP as the c10d endpoint). With `dryrun=True` the
   sbatch script is rendered under the experiment directory and nothing is submitted.
 
 nemo-run is an optional dependency (`pip install nemo-run==0.11.1`), imported only here and only when
@@ -92,7 +94,9 @@ def build_executor(
     from nemo_run.core.tunnel.client import LocalTunnel
 
     return run.SlurmExecutor(
-        account=settings.account,
+        account=settings.account,  # None: no --account line, sbatch uses the user's default
+        # NeMo-Run's default prefix is derived from the account (and fails on None).
+        job_name_prefix="nrc-",
         partition=settings.partition,
         time=settings.time,
         nodes=settings.nodes,

@@ -1,5 +1,10 @@
 """The `launcher:` configuration section and the `launcher.<field>=<value>` overrides that set it.
 
+`nrc train`'s config (`config.schema.LauncherConfig`, Hydra group `conf/launcher/`) is the source of
+truth when the config layer is installed: `settings_for(overrides)` composes it, so `launcher=slurm`
+and the `parallelism=...` groups (which set `launcher.nproc_per_node`) work as in `nrc train`. Without
+Hydra the `launcher.<field>=<value>` overrides are parsed here directly.
+
 Fields (plan/CONFIG_SPEC.md, issue 6):
 
 | field | default | meaning |
@@ -9,7 +14,7 @@ Fields (plan/CONFIG_SPEC.md, issue 6):
 | `nproc_per_node` | 1 | torchrun processes per node (GPUs per node on a GPU cluster) |
 | `container_image` | null | Slurm: the image pyxis/enroot starts on every node (`--container-image`) |
 | `partition` | null | Slurm partition |
-| `account` | null | Slurm account (required for `slurm`) |
+| `account` | null | Slurm account; null uses the user's default |
 | `time` | `01:00:00` | Slurm time limit, `[D-]HH:MM:SS` |
 | `container_mounts` | `[]` | Slurm: `src:dst[:flags]` bind mounts (`--container-mounts`) |
 """
@@ -37,7 +42,7 @@ class LauncherSettings:
     nproc_per_node: int = field(default=1, metadata={"help": "torchrun processes per node (GPUs per node)"})
     container_image: str | None = field(default=None, metadata={"help": "Slurm: container image for pyxis"})
     partition: str | None = field(default=None, metadata={"help": "Slurm partition"})
-    account: str | None = field(default=None, metadata={"help": "Slurm account (required for slurm)"})
+    account: str | None = field(default=None, metadata={"help": "Slurm account; null = the user's default"})
     time: str = field(default="01:00:00", metadata={"help": "Slurm time limit [D-]HH:MM:SS"})
     container_mounts: tuple[str, ...] = field(default=(), metadata={"help": "Slurm: src:dst[:flags] mounts"})
 
@@ -58,8 +63,6 @@ class LauncherSettings:
             parts = mount.split(":")
             if not 2 <= len(parts) <= 3 or not all(parts[:2]):
                 raise ValueError(f"launcher.container_mounts entry {mount!r} must be src:dst or src:dst:flags")
-        if self.name == "slurm" and not self.account:
-            raise ValueError("launcher.account is required for launcher.name=slurm (sbatch --account)")
 
     @property
     def world_size(self) -> int:
@@ -125,3 +128,23 @@ def settings_from_overrides(overrides: Sequence[str], base: LauncherSettings | N
     """Apply the `launcher.*` overrides to `base` (default: the defaults); return it and the other overrides."""
     picked, rest = split_overrides(overrides)
     return dataclasses.replace(base or LauncherSettings(), **picked), rest
+
+
+def settings_for(overrides: Sequence[str]) -> LauncherSettings:
+    """The launcher settings of `nrc train <overrides>`: the composed config's `launcher:` section.
+
+    Composes the whole `nrc train` config (so a bad train override fails here, before a job is
+    submitted) when the config layer (Hydra) is installed; otherwise parses `launcher.*` overrides.
+    Raises ValueError (the config layer's ConfigError) naming the bad key.
+    """
+    try:
+        from nemo_rollout_correction.config.loader import load_config
+    except ImportError:  # the `config` extra (hydra-core) is not installed
+        return settings_from_overrides(overrides)[0]
+    cfg = load_config(list(overrides))
+    return LauncherSettings.from_mapping(dataclasses.asdict(cfg.launcher))
+
+
+def is_launcher_override(item: str) -> bool:
+    """`launcher.<field>=...`, `launcher=<option>` (the Hydra group) or a `parallelism=<option>` choice."""
+    return item.startswith((PREFIX, "launcher=", "parallelism=", "+launcher", "~launcher"))

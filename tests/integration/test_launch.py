@@ -53,7 +53,6 @@ def test_overrides_split_launcher_keys_from_trainer_keys() -> None:
     (["launcher.nproc_per_node=0"], "launcher.nproc_per_node=0 must be an integer >= 1"),
     (["launcher.nproc_per_node=two"], "launcher.nproc_per_node='two' must be an integer"),
     (["launcher.gpus=8"], "unknown launcher key 'gpus'"),
-    (["launcher.name=slurm"], "launcher.account is required for launcher.name=slurm"),
     (["launcher.time=90min"], "launcher.time='90min' must look like HH:MM:SS"),
     (["launcher.container_mounts=[/data]"], "entry '/data' must be src:dst"),
 ])
@@ -86,6 +85,14 @@ def test_torchrun_command_multi_node_uses_c10d_rendezvous_expanded_on_each_node(
                     "$MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID -m " + SMOKE + " --output-dir '/runs/a b'")
 
 
+def test_cli_composes_the_launcher_section_of_the_train_config() -> None:
+    # The parallelism group sets launcher.nproc_per_node in nrc train's config; the launcher follows it.
+    pytest.importorskip("hydra", reason="the config extra (hydra-core) is not installed")
+    _, settings, entry = resolve(["parallelism=dp2", "launcher=slurm", "launcher.nodes=2"])
+    assert (settings.name, settings.nodes, settings.nproc_per_node, settings.account) == ("slurm", 2, 2, None)
+    assert entry.args == ("train", "parallelism=dp2", "launcher=slurm", "launcher.nodes=2")
+
+
 def test_cli_routes_overrides_and_entry_arguments() -> None:
     _, settings, entry = resolve(["launcher.nproc_per_node=2", "rollout_correction=seq_mis"])
     # nrc train receives every override (its config records the launcher section too).
@@ -101,8 +108,11 @@ def test_cli_print_torchrun_and_bad_input_exit_codes(capsys: pytest.CaptureFixtu
     assert main(["launcher.nproc_per_node=4", "run.num_steps=3", "--print-torchrun"]) == 0
     assert capsys.readouterr().out.strip() == ("torchrun --nproc-per-node 4 --standalone --nnodes 1 --no-python "
                                                "nrc train launcher.nproc_per_node=4 run.num_steps=3")
-    assert main(["launcher.nodes=3"]) == 2
-    assert "launcher.nodes=3 needs launcher.name=slurm" in capsys.readouterr().err
+    assert main(["launcher.nodes=3"]) == 2  # composed through nrc train's config: its message
+    err = capsys.readouterr().err
+    assert err.startswith("nrc launch: ") and "launcher.nodes=3" in err and "slurm" in err
+    assert main(["rollout_correction.rollout_is_threshold=-1", "--print-torchrun"]) == 2  # a bad train key fails here
+    assert "rollout_is_threshold" in capsys.readouterr().err
     assert main(["--env", "NOVALUE", "--print-torchrun"]) == 2
     assert "--env 'NOVALUE' must be KEY=VALUE" in capsys.readouterr().err
 
@@ -153,10 +163,10 @@ def test_nemo_run_local_executor_reports_a_failing_job(tmp_path: Path) -> None:
 def test_nemo_run_slurm_executor_dry_run_renders_the_sbatch_script(tmp_path: Path) -> None:
     pytest.importorskip("nemo_run", reason="nemo-run==0.11.1 is not installed (pip install nemo-run==0.11.1)")
     proc = _launcher(
-        tmp_path, "launcher.name=slurm", "launcher.nodes=2", "launcher.nproc_per_node=8", "launcher.account=acct",
+        tmp_path, "launcher=slurm", "launcher.nodes=2", "launcher.nproc_per_node=8", "launcher.account=acct",
         "launcher.partition=batch", "launcher.time=02:30:00", "launcher.container_image=nvcr.io/acme/nrc:0.1.0",
         "launcher.container_mounts=[/lustre/data:/data]", "rollout_correction=token_tis",
-        "run.output_dir=/data/runs/tis", "--name", "grpo", "--dry-run",
+        "run.output_dir=/data/runs/tis", "task.prompts_per_step=32", "--name", "grpo", "--dry-run",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -175,8 +185,8 @@ def test_nemo_run_slurm_executor_dry_run_renders_the_sbatch_script(tmp_path: Pat
     for flag in ("--rdzv-backend c10d", "--rdzv-endpoint $head_node_ip:29500", "--nnodes 2", "--nproc-per-node 8",
                  "--node-rank $SLURM_NODEID"):
         assert flag in tail, flag
-    assert tail.endswith("--no-python nrc train launcher.name=slurm launcher.nodes=2 launcher.nproc_per_node=8 "
+    assert tail.endswith("--no-python nrc train launcher=slurm launcher.nodes=2 launcher.nproc_per_node=8 "
                          "launcher.account=acct launcher.partition=batch launcher.time=02:30:00 "
                          "launcher.container_image=nvcr.io/acme/nrc:0.1.0 "
                          "'launcher.container_mounts=[/lustre/data:/data]' rollout_correction=token_tis "
-                         "run.output_dir=/data/runs/tis")
+                         "run.output_dir=/data/runs/tis task.prompts_per_step=32")
