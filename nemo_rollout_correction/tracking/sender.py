@@ -10,6 +10,7 @@ more. A record the server refuses (HTTP 4xx) is moved to rejected.jsonl so it ca
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ from .journal import Journal, Record
 logger = logging.getLogger("nemo_rollout_correction.tracking")
 
 COMPACT_THRESHOLD_BYTES = 4 << 20
+SNAPSHOT_RECORDS = 1000
 
 
 class BufferedSender:
@@ -128,7 +130,8 @@ class BufferedSender:
                     self._cond.wait()
                 if self._stop:
                     return
-                batch = list(self._queue)
+                # One attempt sends at most 1000 metrics, so a bounded snapshot suffices even after a long outage.
+                batch = list(itertools.islice(self._queue, 0, SNAPSHOT_RECORDS))
             try:
                 if deliverer is None:
                     deliverer = self._make_deliverer()
@@ -141,12 +144,12 @@ class BufferedSender:
                     self._reject(batch[0], str(err))
                     max_records = 10_000
                     continue
-                self._on_outage(str(err), len(batch))
+                self._on_outage(str(err), self.pending)
                 self._sleep_backoff(backoff)
                 backoff = min(backoff * 2, self._retry_max_s)
                 continue
             except Exception as err:  # e.g. mlflow import failure: keep buffering, never crash
-                self._on_outage(f"{type(err).__name__}: {err}", len(batch))
+                self._on_outage(f"{type(err).__name__}: {err}", self.pending)
                 self._sleep_backoff(backoff)
                 backoff = min(backoff * 2, self._retry_max_s)
                 continue
@@ -191,7 +194,7 @@ class BufferedSender:
             if self._outage_since is None:
                 self._outage_since = time.monotonic()
                 logger.warning(
-                    "MLflow tracking at %s is unreachable (%s); training continues, %d+ records are buffered in %s "
+                    "MLflow tracking at %s is unreachable (%s); training continues, %d records are buffered in %s "
                     "and will be delivered in order when it answers again",
                     self._describe,
                     error.splitlines()[0][:300],
