@@ -79,6 +79,7 @@ class Journal:
         self._next_seq = max(last_seq, self._acked) + 1
         self._journal_file = self.journal_path.open("a", encoding="utf-8")
         self._ack_file = self.ack_path.open("a", encoding="utf-8")
+        self.closed = False
 
     def _read_acked(self) -> int:
         rows = _read_jsonl(self.ack_path)
@@ -92,6 +93,8 @@ class Journal:
     def append(self, record: Record) -> Record:
         """Stamp `record` with the next `seq` and format version, write it durably (flushed to the OS), return it."""
         with self.lock:
+            if self.closed:
+                raise RuntimeError(f"journal {self.journal_path} is closed; record not written: {record.get('kind')}")
             stamped = {"v": FORMAT_VERSION, "seq": self._next_seq, **record}
             # allow_nan: a NaN/inf metric is a legitimate observation (MLflow stores it); Python reads it back.
             self._journal_file.write(json.dumps(stamped, allow_nan=True) + "\n")
@@ -107,9 +110,13 @@ class Journal:
             return sorted(records, key=lambda r: int(r["seq"]))
 
     def ack(self, seq: int) -> None:
-        """Record that every record up to and including `seq` was delivered."""
+        """Record that every record up to and including `seq` was delivered.
+
+        After close() this is a no-op: a delivery that finished after its tracker gave up is simply
+        re-sent by the next replay, which MLflow deduplicates.
+        """
         with self.lock:
-            if seq <= self._acked:
+            if self.closed or seq <= self._acked:
                 return
             self._ack_file.write(json.dumps({"acked": seq}) + "\n")
             self._ack_file.flush()
@@ -118,6 +125,8 @@ class Journal:
     def reject(self, record: Record, reason: str) -> None:
         """Move a record the server refused for good into rejected.jsonl (kept for inspection) and ack it."""
         with self.lock:
+            if self.closed:
+                return
             with self.rejected_path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps({**record, "rejected_reason": reason}, allow_nan=True) + "\n")
             self.release_spool(record)
@@ -133,8 +142,11 @@ class Journal:
             return self._next_seq
 
     def release_spool(self, record: Record) -> None:
-        """Delete the spool copy of a delivered (or rejected) artifact record."""
-        if record.get("kind") == "artifact":
+        """Delete the spool copy of a delivered (or rejected) artifact record.
+
+        Not after close(): the record then stays pending (its late ack was ignored) and a replay needs the copy.
+        """
+        if record.get("kind") == "artifact" and not self.closed:
             shutil.rmtree(self.spool_dir_for(int(record["seq"])), ignore_errors=True)
 
     def compact(self) -> bool:
@@ -144,7 +156,7 @@ class Journal:
         A crash half-way leaves either a journal with everything acked or an empty journal: both safe.
         """
         with self.lock:
-            if self._next_seq - 1 > self._acked:
+            if self.closed or self._next_seq - 1 > self._acked:
                 return False
             self._journal_file.close()
             self._journal_file = self.journal_path.open("w", encoding="utf-8")
@@ -163,12 +175,15 @@ class Journal:
     def sync(self) -> None:
         """fsync the journal and ack files (called at close: survive a machine crash, not only a process crash)."""
         with self.lock:
+            if self.closed:
+                return
             for f in (self._journal_file, self._ack_file):
                 f.flush()
                 os.fsync(f.fileno())
 
     def close(self) -> None:
-        """Close the file handles (the files stay on disk)."""
+        """Close the file handles (the files stay on disk); later acks are ignored, appends raise."""
         with self.lock:
+            self.closed = True
             self._journal_file.close()
             self._ack_file.close()

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from nemo_rollout_correction.tracking.journal import Journal
 
 
@@ -90,3 +92,14 @@ def test_release_spool_deletes_only_artifact_copies(tmp_path: Path) -> None:
     assert spool.exists()
     journal.release_spool(record)
     assert not spool.exists()
+
+
+def test_a_closed_journal_ignores_late_acks_and_refuses_appends(tmp_path: Path) -> None:
+    journal = Journal(tmp_path)
+    journal.append(_metrics(0, loss=1.0))
+    journal.close()
+    journal.ack(1)  # a delivery that finished after the tracker gave up: re-sent by the next replay
+    assert not journal.compact()
+    with pytest.raises(RuntimeError, match="is closed"):
+        journal.append(_metrics(1, loss=1.0))
+    assert [r["seq"] for r in Journal(tmp_path).pending()] == [1]
