@@ -235,7 +235,7 @@ def _write_tiny_llama(tmp: Path, p: dict[str, Any]) -> None:
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(p["seed"])
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).float()  # type: ignore[no-untyped-call]
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
 
@@ -300,7 +300,7 @@ def smollm2_135m_dir(cache_dir: Path | None = None) -> Path:
         "gguf_sha256": _sha256(gguf),
     }
     if read_stamp(out_dir) != stamp:
-        _log(f"smollm2-135m: converting {gguf} -> {out_dir} (once; about 30 s on 2 CPU cores)")
+        _log(f"smollm2-135m: converting {gguf} -> {out_dir} (once; 20-30 s on 2 idle cores, longer under load)")
     return _build_dir_atomically(out_dir, stamp, lambda tmp: _convert_smollm2(gguf, tmp))
 
 
@@ -316,7 +316,7 @@ def _convert_smollm2(gguf: Path, tmp: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     start = time.monotonic()
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     if getattr(config, "model_type", None) != "llama":
         raise ValueError(f"{gguf}: expected a llama GGUF checkpoint, got model_type={config.model_type!r}")
     if hasattr(config, "quantization_config"):
@@ -325,10 +325,11 @@ def _convert_smollm2(gguf: Path, tmp: Path) -> None:
     config.dtype = torch.float32
     _log(f"smollm2-135m: config read ({time.monotonic() - start:.1f} s); building the float32 model")
     with torch.random.fork_rng(devices=[]):  # the random init is overwritten; keep the caller's RNG intact
-        model = LlamaForCausalLM(config).to(torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)[
-        "tensors"
-    ]
+        model = LlamaForCausalLM(config).float()  # type: ignore[no-untyped-call]
+    loaded = load_gguf_checkpoint(  # type: ignore[no-untyped-call]
+        str(gguf), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )
+    tensors = loaded["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
@@ -340,7 +341,7 @@ def _convert_smollm2(gguf: Path, tmp: Path) -> None:
     _log(f"smollm2-135m: weights dequantized ({time.monotonic() - start:.1f} s); saving safetensors")
     model.save_pretrained(tmp)
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     if not tokenizer.chat_template:
         raise RuntimeError(f"{gguf}: the GGUF tokenizer has no chat template")
     if tokenizer.eos_token != "<|im_end|>" or tokenizer.eos_token_id != config.eos_token_id:
@@ -350,6 +351,10 @@ def _convert_smollm2(gguf: Path, tmp: Path) -> None:
         )
     if tokenizer.pad_token is None:  # batching (vLLM, the trainer) needs a pad token; eos is SmolLM2's choice
         tokenizer.pad_token = tokenizer.eos_token
+    # GGUF carries no limit (transformers writes 1e30); the model's context length is the honest one.
+    tokenizer.model_max_length = config.max_position_embeddings
+    for load_only_kwarg in ("local_files_only", "is_local"):  # loading details, not tokenizer settings
+        tokenizer.init_kwargs.pop(load_only_kwarg, None)
     tokenizer.save_pretrained(tmp)
     _log(f"smollm2-135m: done in {time.monotonic() - start:.1f} s")
 
