@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,17 @@ def test_build_task_errors(tmp_path: Path) -> None:
         build_task("dataset")
     with pytest.raises(DatasetError, match="dataset file not found"):
         build_task("dataset", dataset_path=tmp_path / "missing.jsonl")
+
+
+def test_task_modules_import_no_heavy_frameworks() -> None:
+    # A fresh interpreter: the reward/data code must stay importable without vLLM, Megatron, MLflow
+    # or pyarrow (Parquet imports it lazily); torch comes only with the package root.
+    code = (
+        "import sys\n"
+        "import nemo_rollout_correction.trainer.data, nemo_rollout_correction.trainer.rewards\n"
+        "import nemo_rollout_correction.trainer.tasks\n"
+        "heavy = ('vllm', 'megatron', 'mlflow', 'pyarrow', 'transformers')\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.strip() == "[]"
