@@ -20,6 +20,7 @@ numbers; :func:`score` checks that and names the function, the index and the val
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -183,7 +184,10 @@ def load_reward_fn(spec: str) -> Callable[..., Sequence[float]]:
             available = sorted(
                 name for name in dir(target) if not name.startswith("_") and callable(getattr(target, name, None))
             )
-            raise RewardError(f"reward_fn {spec!r}: {where} has no attribute {part!r}; callables there: {available}")
+            close = difflib.get_close_matches(part, available, n=3, cutoff=0.6)
+            # a long listing buries the answer: show close matches when there are any, else a capped list
+            shown = f"did you mean {close}?" if close else f"callables there: {available[:30]}"
+            raise RewardError(f"reward_fn {spec!r}: {where} has no attribute {part!r}; {shown}")
         target = getattr(target, part)
     if not callable(target):
         raise RewardError(f"reward_fn {spec!r}: {attr_path} is a {type(target).__name__}, not callable")

@@ -114,6 +114,7 @@ def test_load_custom_reward_as_a_module(monkeypatch: pytest.MonkeyPatch) -> None
         ("surely_not_a_module_xyz:fn", r"module 'surely_not_a_module_xyz' not found"),
         ("nemo_rollout_correction.nope:fn", r"module 'nemo_rollout_correction.nope' not found"),
         ("math:no_such_fn", r"math has no attribute 'no_such_fn'; callables there: \[.*'fabs'"),
+        ("math:fbas", r"math has no attribute 'fbas'; did you mean \['fabs'"),
         ("pathlib:Path.nope", r"pathlib:Path has no attribute 'nope'"),
         ("math:pi", "pi is a float, not callable"),
         ("/no/such/file.py:fn", "file /no/such/file.py not found"),
