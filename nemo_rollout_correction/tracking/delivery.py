@@ -33,18 +33,25 @@ def is_http_uri(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
 
+_SET_BY_US: dict[str, str] = {}
+
+
 def bound_http_requests(timeout_s: int = 5) -> dict[str, str]:
     """Make every MLflow HTTP request in this process fail fast; return the values now in effect.
 
     Process-wide on purpose: MLflow offers no per-client setting, and every request of the run (ours,
-    artifact uploads) should be bounded. A value already present in the environment wins.
+    artifact uploads) should be bounded. A value the user exported wins; a value an earlier call set
+    is replaced (the latest tracker's `request_timeout_s` applies).
     """
     wanted = {**HTTP_ENV_DEFAULTS, "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(timeout_s)))}
     effective: dict[str, str] = {}
     for key, value in wanted.items():
-        if key in os.environ and os.environ[key] != value:
-            logger.info("keeping user setting %s=%s (tracking would use %s)", key, os.environ[key], value)
-        os.environ.setdefault(key, value)
+        current = os.environ.get(key)
+        if current is None or current == _SET_BY_US.get(key):
+            os.environ[key] = value
+            _SET_BY_US[key] = value
+        elif current != value:
+            logger.info("keeping user setting %s=%s (tracking would use %s)", key, current, value)
         effective[key] = os.environ[key]
     return effective
 

@@ -4,6 +4,7 @@
     server.start()                         # waits for GET /health == OK (about 7-15 s on 2 cores)
     server.uri                             # "http://127.0.0.1:<port>"
     server.stop()                          # SIGTERM to the whole group, SIGKILL after a grace period
+    server.pause(); server.resume()        # SIGSTOP / SIGCONT the group: a hung server
     server.start()                         # same port, same sqlite file, same artifacts: an outage ends
 
 The server runs in its own session (`start_new_session=True`), so its uvicorn worker dies with it.
@@ -119,6 +120,16 @@ class MlflowServer:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and self._port_open():
             time.sleep(0.1)
+
+    def pause(self) -> None:
+        """SIGSTOP the whole group: connections are still accepted by the kernel but never answered (a hung server)."""
+        assert self._proc is not None, "server not started"
+        os.killpg(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the group: the server answers again, including requests queued while it was stopped."""
+        assert self._proc is not None, "server not started"
+        os.killpg(self._proc.pid, signal.SIGCONT)
 
     def _port_open(self) -> bool:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -209,6 +209,36 @@ def test_ranks_other_than_zero_and_disabled_tracking_are_no_ops(tmp_path: Path) 
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
 
+def test_hung_server_costs_training_nothing_and_late_answers_are_not_duplicated(
+    up: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that accepts connections but does not answer (SIGSTOP): each delivery attempt times out after
+    request_timeout_s in the background thread; when it answers again (SIGCONT) it also processes the requests
+    that timed out, and our retries of the same records are deduplicated by their original timestamps."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    tracker = _tracker(tmp_path / "run", up.uri, request_timeout_s=1)
+    run_id = tracker.start()
+    tracker.log_metrics({"loss/total": 0.0}, step=0)
+    assert tracker.flush(timeout_s=10)
+    up.pause()
+    try:
+        worst = 0.0
+        for step in range(1, 11):
+            t0 = time.perf_counter()
+            tracker.log_metrics({"loss/total": float(step)}, step=step)
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.15)
+        assert worst < 0.25, f"log_metrics blocked on a hung server: {worst:.3f} s"
+        assert tracker.pending_records > 0
+    finally:
+        up.resume()
+    assert tracker.close(timeout_s=30)
+    outage = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(outage) == 1 and "ReadTimeout" in outage[0]  # the 1 s request timeout, not a refused connection
+    history = MlflowClient(up.uri).get_metric_history(run_id, "loss/total")
+    assert sorted(m.step for m in history) == list(range(11))
+
+
 def test_outage_mid_run_buffers_without_blocking_and_a_run_that_ends_during_it_replays_later(
     up: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

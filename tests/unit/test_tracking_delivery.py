@@ -42,6 +42,10 @@ def test_bound_http_requests_sets_fail_fast_defaults_but_keeps_user_values(monke
 
     assert MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 0 and MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 30
 
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT")
+    assert bound_http_requests(timeout_s=3)["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "3"
+    assert bound_http_requests(timeout_s=1)["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "1"  # ours: a later tracker's wins
+
 
 def test_classify_tells_refusals_from_outages() -> None:
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
