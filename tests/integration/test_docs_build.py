@@ -100,3 +100,36 @@ def test_strict_build_fails_on_a_broken_link(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "nowhere.md" in proc.stderr and "#nope" in proc.stderr
     assert "#real-heading" not in proc.stderr
+
+
+def _emitted_metric_keys() -> set[str]:
+    """Every `rollout_corr/*` key the core emits over all presets plus mask, batch-norm and RS variants."""
+    import torch
+
+    from nemo_rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 16, generator=gen) * 3
+    rollout = old + torch.randn(4, 16, generator=gen) * 0.05
+    mask = torch.ones(4, 16, dtype=torch.bool)
+    configs = [RolloutCorrectionConfig.from_preset(n) for n in RolloutCorrectionConfig.preset_names()]
+    configs.append(RolloutCorrectionConfig(rollout_is="token", rollout_is_mode="mask", rollout_is_batch_normalize=True,
+                                           rollout_rs="token_k1,seq_mean_k1,seq_sum_k1,seq_mean_k3",
+                                           rollout_rs_threshold="0.5_2.0,0.5_2.0,0.5_2.0,0.01"))
+    keys: set[str] = set()
+    for cfg in configs:
+        keys |= set(compute_rollout_correction(old, rollout, mask, cfg).metrics)
+    return keys
+
+
+def test_metric_names_in_the_guides_are_real_metric_keys() -> None:
+    """Troubleshooting, quickstart and migration name metrics exactly as the code emits them."""
+    import re
+
+    emitted = _emitted_metric_keys()
+    for page in ("troubleshooting.md", "quickstart.md", "migration.md"):
+        names = set(re.findall(r"rollout_corr/[a-z0-9_]+(?![a-z0-9_<*])", (DOCS / page).read_text()))
+        names = {n for n in names if not n.endswith("_")}  # prefixes such as rollout_corr/rollout_rs_<c>_...
+        assert names, page
+        unknown = sorted(names - emitted)
+        assert not unknown, f"{page} names metrics the code does not emit: {unknown}"
