@@ -29,7 +29,15 @@ from typing import Any, Literal
 from .delivery import Deliverer, bound_http_requests, classify, is_http_uri
 from .errors import TrackingUnavailableError
 from .journal import Journal
-from .params import MAX_TAG_VALUE_LENGTH, check_metric_name, flatten_config, sanitize_key, to_float, truncate_value
+from .params import (
+    MAX_TAG_VALUE_LENGTH,
+    check_metric_name,
+    flatten_config,
+    sanitize_key,
+    to_float,
+    to_plain,
+    truncate_value,
+)
 from .replay import buffer_dir
 from .run_tags import default_tags
 from .sender import BufferedSender
@@ -208,7 +216,10 @@ class MlflowTracker:
 
     @staticmethod
     def _last_system_step(run: Any) -> int:
-        steps = [m.step for m in run.data._metric_objs if m.key.startswith(SYSTEM_PREFIX)]
+        # Run.data keeps the latest Metric objects (with steps) only in a private field; mlflow's own
+        # SystemMetricsMonitor reads it the same way. Without it, system steps restart at 0.
+        metric_objs = getattr(run.data, "_metric_objs", [])
+        steps = [m.step for m in metric_objs if m.key.startswith(SYSTEM_PREFIX)]
         return max(steps, default=-1)
 
     def _unavailable(self, err: BaseException) -> TrackingUnavailableError:
@@ -293,7 +304,7 @@ class MlflowTracker:
         name = "resolved.yaml" if not self.resume_run_id else f"resolved.resume-{_iso_now(compact=True)}.yaml"
         path = self.buffer_dir / "config" / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(_plain(resolved), sort_keys=False), encoding="utf-8")
+        path.write_text(yaml.safe_dump(to_plain(resolved), sort_keys=False), encoding="utf-8")
         self.log_artifact(path, "config")
 
     def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
@@ -375,13 +386,3 @@ def _iso_now(compact: bool = False) -> str:
     now = _dt.datetime.now(_dt.UTC)
     return now.strftime("%Y%m%dT%H%M%SZ") if compact else now.isoformat(timespec="seconds")
 
-
-def _plain(value: Any) -> Any:
-    """Recursively turn mappings/sequences (OmegaConf containers included) into plain dict/list for YAML."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    return str(value)

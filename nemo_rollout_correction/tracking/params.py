@@ -11,7 +11,7 @@ import hashlib
 import json
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 MAX_KEY_LENGTH = 250
@@ -66,14 +66,23 @@ def truncate_value(value: str, limit: int) -> str:
     return value[: limit - len(TRUNCATION_MARKER)] + TRUNCATION_MARKER
 
 
+def to_plain(value: Any) -> Any:
+    """Recursively turn mappings/sequences (OmegaConf containers included) into dict/list; other leaves that
+    are not str/int/float/bool/None become str. Used for JSON params and the YAML artifact."""
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return [to_plain(v) for v in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return str(value)
+
+
 def format_param_value(value: Any) -> str:
     """A config leaf as a param string: strings as-is, everything else as JSON (`true`, `null`, `[1, 2]`)."""
     if isinstance(value, str):
         return value
-    try:
-        return json.dumps(value, default=str)
-    except ValueError:  # NaN / inf inside a container with allow_nan semantics never fails; keep a fallback
-        return str(value)
+    return json.dumps(to_plain(value))
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

@@ -41,6 +41,12 @@ def test_flatten_nested_dotted_keys_and_json_leaves() -> None:
     }
 
 
+def test_omegaconf_containers_flatten_like_plain_ones() -> None:
+    omegaconf = pytest.importorskip("omegaconf")
+    config = omegaconf.OmegaConf.create({"launcher": {"container_mounts": ["/a:/a"], "partition": None}})
+    assert flatten_config(config) == {"launcher.container_mounts": '["/a:/a"]', "launcher.partition": "null"}
+
+
 def test_long_values_are_truncated_to_the_mlflow_limit_with_a_marker() -> None:
     flat = flatten_config({"prompt": "x" * 10_000})
     assert len(flat["prompt"]) == MAX_PARAM_VALUE_LENGTH
