@@ -48,7 +48,7 @@ def write_review_artifacts(
         raw_is_weights / applied_is_weights: `[num_kept_tokens]` IS weights before bounding and as applied.
         sequences: per-sequence data of the step (`[num_sequences]` each).
         rewards: reward history for the curve (skipped when None).
-        top_k / sort_by: worst-sequences table size and ranking key (see tables.SORT_KEYS).
+        top_k / sort_by: worst-sequences table size (0: no table) and ranking key (see tables.SORT_KEYS).
         mismatch: y of the length plot: "kl" or "mean_abs_log_ratio" (|seq log-ratio sum| / length).
     """
     import numpy as np
@@ -68,7 +68,8 @@ def write_review_artifacts(
                             title=f"{label} vs length, step {step}")
     if rewards is not None:
         plot_reward_curve(rewards.steps, rewards.mean, directory / REWARD_CURVE, std=rewards.std)
-    write_worst_sequences(sequences, step, directory / WORST_SEQUENCES, top_k=top_k, sort_by=sort_by)
+    if top_k > 0:  # tracking.worst_sequences=0 turns the table off
+        write_worst_sequences(sequences, step, directory / WORST_SEQUENCES, top_k=top_k, sort_by=sort_by)
     return directory
 
 

@@ -131,3 +131,10 @@ def test_write_review_artifacts_layout(tmp_path: Path) -> None:
         "is_weights.png", "mismatch_vs_length.png", "reward.png", "worst_sequences.parquet",
     ]  # fmt: skip
     assert pq.read_table(directory / "worst_sequences.parquet").num_rows == 2
+
+
+def test_zero_worst_sequences_writes_no_table(tmp_path: Path) -> None:
+    directory = write_review_artifacts(
+        tmp_path, 0, raw_is_weights=[1.0, 2.0], applied_is_weights=[1.0, 2.0], sequences=_review(), top_k=0
+    )
+    assert sorted(p.name for p in directory.iterdir()) == ["is_weights.png", "mismatch_vs_length.png"]
