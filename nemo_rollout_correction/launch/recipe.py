@@ -19,7 +19,6 @@ a launch is requested, so `import nemo_rollout_correction.launch` works without 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,18 +46,23 @@ class LaunchResult:
     """What a launch did.
 
     experiment_dir: NeMo-Run's directory of the experiment (logs, configs, the sbatch script).
-    status: the task's final state as NeMo-Run reports it (`SUCCEEDED`, `FAILED`, ...; `DRYRUN`).
+    status: the task's state as NeMo-Run reports it (`SUCCEEDED`, `FAILED`, ...; `DRYRUN`; for a
+        detached Slurm job its state at submission, e.g. `SUBMITTED` or `PENDING`).
     sbatch_script: the rendered sbatch script (slurm dry run), else None.
+    detached: the launch returned without waiting for the job (Slurm).
     """
 
     experiment_dir: Path
     status: str
     sbatch_script: str | None = None
+    detached: bool = False
 
     @property
     def succeeded(self) -> bool:
-        """True when the task finished successfully (or a dry run rendered)."""
-        return self.status in ("SUCCEEDED", "DRYRUN")
+        """True when the task finished successfully, a dry run rendered, or a detached job was accepted."""
+        if self.status in ("SUCCEEDED", "DRYRUN"):
+            return True
+        return self.detached and self.status in ("SUBMITTED", "PENDING", "RUNNING")
 
 
 def build_script(entry: Entry, env: dict[str, str] | None = None) -> nemo_run.Script:
@@ -152,9 +156,9 @@ def launch(
     """Run `entry` under torchrun with the executor of `settings` and wait for it.
 
     NeMo-Run keeps its experiments under `$NEMORUN_HOME` (default `~/.nemo_run`). A local launch
-    blocks until the ranks exit; a Slurm launch returns once the job is submitted (with `tail_logs`
-    it follows the log). dryrun: render and keep the job's files (Slurm: the sbatch script) without
-    running anything.
+    blocks until the ranks exit; a Slurm launch is detached: it returns once sbatch accepted the job
+    (follow it with `nemo experiment logs <id> 0`). dryrun: render and keep the job's files (Slurm:
+    the sbatch script) without running anything.
     """
     run = _nemo_run()
     executor = build_executor(settings, env=env, job_dir=job_dir)
@@ -167,11 +171,8 @@ def launch(
             found = sorted(exp_dir.rglob("*_sbatch.sh"))
             text = found[0].read_text() if found else None
             return LaunchResult(exp_dir, "DRYRUN", text)
-        exp.run(detach=False, tail_logs=tail_logs, sequential=True)
-    # Without tail_logs NeMo-Run waits for the job when the `with` block exits: read the state after it.
-    return LaunchResult(Path(exp._exp_dir), _final_status(exp))
-
-
-def remove_experiment(result: LaunchResult) -> None:
-    """Delete a launch's experiment directory (tests and dry runs)."""
-    shutil.rmtree(result.experiment_dir, ignore_errors=True)
+        # Slurm: submit and return (a job can queue for hours); local: wait for the ranks.
+        detach = settings.name == "slurm"
+        exp.run(detach=detach, tail_logs=tail_logs and not detach, sequential=True)
+    # Without tail_logs NeMo-Run waits for a local job when the `with` block exits: read the state after it.
+    return LaunchResult(Path(exp._exp_dir), _final_status(exp), detached=detach)
