@@ -69,6 +69,20 @@ def test_from_mapping_reads_the_config_section_and_rejects_unknown_keys() -> Non
         LauncherSettings.from_mapping({"gpus": 8})
 
 
+def test_launcher_settings_have_the_fields_of_the_train_config_launcher_section() -> None:
+    # One launcher section: nrc train's schema (config layer) and the launcher's settings must not drift.
+    pytest.importorskip("hydra", reason="the config extra (hydra-core) is not installed")
+    import dataclasses
+
+    from nemo_rollout_correction.config.schema import LauncherConfig
+
+    theirs = {f.name: f.default for f in dataclasses.fields(LauncherConfig)}
+    ours = {f.name: f.default for f in dataclasses.fields(LauncherSettings)}
+    assert set(theirs) == set(ours)
+    assert {k: v for k, v in theirs.items() if k != "container_mounts"} == \
+        {k: v for k, v in ours.items() if k != "container_mounts"}
+
+
 # --- the torchrun command ----------------------------------------------------------------------------
 
 
