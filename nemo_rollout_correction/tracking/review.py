@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 from .mlflow_tracker import MlflowTracker
 from .plots import plot_is_weight_histogram, plot_mismatch_vs_length, plot_reward_curve
 from .tables import SequenceReview, write_worst_sequences
+
+logger = logging.getLogger("nemo_rollout_correction.tracking")
 
 IS_HISTOGRAM = "is_weights.png"
 MISMATCH_VS_LENGTH = "mismatch_vs_length.png"
@@ -89,19 +92,25 @@ def log_review_artifacts(
     """Write the review files (see write_review_artifacts) and log them as artifacts `review/step_<n>/`.
 
     Files go to `out_dir` (default `<run_dir>/review/`). Only the active rank writes; others return None.
+    A failure while writing (a plotting corner case, a full disk) is logged with its traceback and returns
+    None: review files are diagnostics and must not end a training run.
     """
     if not tracker.active:
         return None
-    directory = write_review_artifacts(
-        out_dir if out_dir is not None else tracker.run_dir / "review",
-        step,
-        raw_is_weights=raw_is_weights,
-        applied_is_weights=applied_is_weights,
-        sequences=sequences,
-        rewards=rewards,
-        top_k=top_k,
-        sort_by=sort_by,
-        mismatch=mismatch,
-    )
+    try:
+        directory = write_review_artifacts(
+            out_dir if out_dir is not None else tracker.run_dir / "review",
+            step,
+            raw_is_weights=raw_is_weights,
+            applied_is_weights=applied_is_weights,
+            sequences=sequences,
+            rewards=rewards,
+            top_k=top_k,
+            sort_by=sort_by,
+            mismatch=mismatch,
+        )
+    except Exception:
+        logger.exception("writing review artifacts for step %d failed; training continues without them", step)
+        return None
     tracker.log_artifact(directory, f"review/{review_dir_name(step)}")
     return directory
