@@ -131,3 +131,24 @@ def test_replay_errors_name_the_problem(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 5.0
     assert pending_records(tmp_path / "run") == 1
     assert replay_main([str(tmp_path / "run"), "--tracking-uri", "http://127.0.0.1:9", "--timeout", "0.5"]) == 1
+
+
+def test_a_failing_review_write_is_logged_and_training_goes_on(
+    tmp_path: Path, store, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("matplotlib")
+    from nemo_rollout_correction.tracking.review import log_review_artifacts
+    from nemo_rollout_correction.tracking.tables import SequenceReview
+
+    _, uri, _ = store
+    sequences = SequenceReview.create(
+        prompts=["p"], responses=["r"], response_lengths=[1], seq_log_ratio_sum=[0.0], max_abs_log_ratio=[0.0],
+        kl=[0.0], is_weight=[1.0], kept=[True], reward=[1.0],
+    )  # fmt: skip
+    with MlflowTracker(uri, "nrc-sqlite", "review", tmp_path / "run") as tracker:
+        out = log_review_artifacts(tracker, 1, raw_is_weights=[1.0], applied_is_weights=[1.0], sequences=sequences,
+                                   mismatch="bogus")  # fmt: skip
+        assert out is None
+        tracker.log_metrics({"loss/total": 1.0}, step=1)
+    assert any("review artifacts for step 1 failed" in r.getMessage() for r in caplog.records)
+    assert _steps(uri, str(tracker.run_id), "loss/total") == [1]
