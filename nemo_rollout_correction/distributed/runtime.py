@@ -121,6 +121,13 @@ def all_reduce_gradients(params: Iterable[nn.Parameter], groups: ParallelGroups)
         offset += count
 
 
+def scale_gradients(params: Iterable[nn.Parameter], factor: float) -> None:
+    """Multiply every gradient by `factor` in place (local; no collective)."""
+    for param in params:
+        if param.grad is not None:
+            param.grad.mul_(factor)
+
+
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, groups: ParallelGroups) -> float:
     """Scale gradients so the global L2 norm is at most `max_norm` (<= 0: measure only); returns the norm.
 
@@ -172,5 +179,6 @@ __all__ = [
     "broadcast_object",
     "clip_grad_norm",
     "init_runtime",
+    "scale_gradients",
     "shutdown_runtime",
 ]

@@ -48,6 +48,7 @@ from nemo_rollout_correction.distributed.runtime import (
     barrier,
     broadcast_object,
     clip_grad_norm,
+    scale_gradients,
 )
 from nemo_rollout_correction.losses.rollout_corrected_pg import (
     RolloutCorrectedPolicyLoss,
@@ -304,7 +305,7 @@ class GrpoTrainer:
 
         t = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"loss": 0.0, "kl_penalty": 0.0}
+        sums: dict[str, float] = {"loss": 0.0, "kl_penalty": 0.0, "num_denominator": 0.0}
         partials = []
         for i, mb in enumerate(microbatches):
             logprobs = self.policy.token_logprobs(mb.input_ids, **self.replay)
@@ -318,24 +319,35 @@ class GrpoTrainer:
                 old_logprobs=mb.old_logprobs,
                 correction=None if corrections is None else corrections[i],
             )
-            loss = out.loss
-            if self.reference is not None and mb.ref_logprobs is not None:
+            # Without a denominator in advance (bypass mode, rejection by the current policy) the
+            # numerator is backpropagated and the gradients are divided by the global count after the
+            # last microbatch: exact, and no extra forward (Megatron's calculate_per_token_loss idea).
+            loss = out.loss if denominators is not None else out.loss_sum
+            if self.reference is not None and mb.ref_logprobs is not None and denominators is not None:
                 keep = out.correction.keep_mask
                 kl = kl_penalty(logprobs, mb.ref_logprobs, cfg.grpo.kl_estimator, mask=keep)
                 kl_term = kl.sum() / max(denominators.num_global_tokens, 1.0)
                 loss = loss + cfg.grpo.kl_coef * kl_term
                 sums["kl_penalty"] += float(kl_term.detach())
             loss.backward()
-            sums["loss"] += float(out.loss.detach())
+            sums["loss"] += float(out.loss.detach() if denominators is not None else out.loss_sum.detach())
+            sums["num_denominator"] += float(out.num_denominator)
             partials.append(out.partials)
             for key, value in out.policy_stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        if denominators is None:
+            count = all_reduce_sums({"n": sums["num_denominator"]}, self.groups)["n"]
+            if self.loss_fn.agg_mode != "token-sum":
+                scale_gradients(self.params, 1.0 / max(count, 1.0))
+                sums["loss"] /= max(count, 1.0)
         all_reduce_gradients(self.params, self.groups)
         grad_norm = clip_grad_norm(self.params, cfg.policy.grad_clip, self.groups)
         self.optimizer.step()
         timings["train"] = time.perf_counter() - t
-        if corrections is None:  # bypass with a rollout-only denominator: metrics from the loss pass
+        if corrections is None:  # corrected inside the loss pass: metrics from its partials
+            t = time.perf_counter()
             rc_metrics = reduce_step_metrics(partials, self.rc_cfg, self.groups)
+            timings["correction"] += time.perf_counter() - t
         sums.setdefault("num_tokens", 0.0)
         for key in ("pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum"):
             sums.setdefault(key, 0.0)
@@ -359,7 +371,7 @@ class GrpoTrainer:
 
     def _prepare_correction(
         self, microbatches: list[Microbatch]
-    ) -> tuple[list[Any] | None, StepDenominators, dict[str, float]]:
+    ) -> tuple[list[Any] | None, StepDenominators | None, dict[str, float]]:
         """The step's corrections and denominators before any backward (see losses.rollout_corrected_pg)."""
         if not self.rc_cfg.bypass_mode:
             corrections = [
@@ -372,7 +384,10 @@ class GrpoTrainer:
         if rejection_is_predictable(self.rc_cfg):
             pairs = [(mb.rollout_logprobs, mb.loss_mask) for mb in microbatches]
             return None, self.loss_fn.rollout_only_denominators(pairs, self.groups), {}
-        # Bypass with policy-dependent rejection: an exact denominator needs the current logprobs first.
+        if not self.rc_cfg.rollout_is_batch_normalize and self.reference is None:
+            return None, None, {}  # the loss pass corrects and counts; gradients are scaled afterwards
+        # Batch-normalised IS (or the KL penalty's denominator) needs the current policy's correction before
+        # the first backward: one no-grad pre-pass.
         corrections = [
             self.loss_fn.correct(self._score(self.policy, mb), mb.rollout_logprobs, mb.loss_mask, self.groups)
             for mb in microbatches

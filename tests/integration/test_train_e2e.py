@@ -30,7 +30,7 @@ from mlflow_server import MlflowServer
 
 pytestmark = [pytest.mark.integration]
 
-NRC = [sys.executable, "-m", "nemo_rollout_correction.cli"]
+NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
 # Small and fast: 4 prompts x 4 samples x 16 tokens per step on the tiny random Llama.
 FAST = [
     "model=tiny_llama",
@@ -162,6 +162,7 @@ def test_torchrun_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
         "2",
         "-m",
         "nemo_rollout_correction.cli",
+        "train",
     ]
     common = [*FAST, "run.num_steps=1", "tracking.enabled=false", "checkpoint.every_n_steps=0"]
     one, two = tmp_path / "tp1", tmp_path / "tp2"
