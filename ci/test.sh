@@ -8,7 +8,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/_venv.sh
+source ci/install_nemo_run.sh
 ensure_venv dev,megatron,cpu,mlflow,config
+install_nemo_run
+
+echo "== docs/configuration.md is current =="
+python -m nemo_rollout_correction.config.docgen --check
 
 echo "== ruff =="
 ruff check .

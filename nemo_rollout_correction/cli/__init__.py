@@ -4,6 +4,7 @@ Subcommands:
   nrc train         GRPO with rollout correction: vLLM rollouts, Megatron-Core policy, MLflow (the main job)
   nrc audit         measure the rollout/trainer mismatch of a model + engine + dtype before a long run
   nrc config show   print the resolved training configuration (after overrides)
+  nrc launch        run `nrc train` under torchrun locally or on Slurm (NeMo-Run)
   nrc demo          every preset applied to generated rollouts with a real bf16-vs-fp32 mismatch
   nrc presets       list the presets and their resolved fields
 """
@@ -141,7 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     train_cli.add_parser(sub)
     audit_cli.add_parser(sub)
+    # `nrc launch ...` is dispatched in main() before parsing (its options belong to the launcher); this entry
+    # only lists it in `nrc --help`.
+    sub.add_parser("launch", help="launch nrc train with torchrun locally or on Slurm (NeMo-Run); see nrc launch -h")
     return parser
+
+
+def run_launch(argv: list[str]) -> int:
+    """`nrc launch ...`: forwarded to `nemo_rollout_correction.launch.main` (which has its own --help)."""
+    from nemo_rollout_correction.launch import main as launch_main
+
+    return int(launch_main(argv))
 
 
 def run_config_show(args: argparse.Namespace) -> int:
@@ -172,6 +183,9 @@ def _non_negative_int(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `nrc`; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        return run_launch(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
