@@ -93,7 +93,7 @@ class RunConfig:
     output_dir: str = _f("runs/${run.name}", "Directory for checkpoints, logs and the local MLflow store.")
     seed: int = _f(1234, "Global random seed (data order, init, sampling unless rollout.seed is set).")
     resume: bool = _f(False, "Resume from the newest checkpoint in checkpoint.dir if there is one.")
-    num_steps: int = _f(16, "Number of GRPO optimizer steps.")
+    num_steps: int = _f(24, "Number of GRPO optimizer steps.")
     log_every: int = _f(1, "Log metrics every N steps.")
     progress: bool = _f(True, "Show a progress line per step on stdout.")
 
@@ -140,7 +140,7 @@ class PolicyConfig:
     pipeline_parallel_size: int = _f(1, "Megatron pipeline-parallel size (PP).")
     context_parallel_size: int = _f(1, "Megatron context-parallel size (CP).")
     micro_batch_size: int = _f(8, "Sequences per microbatch on one data-parallel rank.")
-    lr: float = _f(1e-5, "Adam learning rate.")
+    lr: float = _f(3e-5, "Adam learning rate.")
     weight_decay: float = _f(0.0, "Decoupled (AdamW) weight decay.")
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.999, "Adam beta2.")
@@ -177,7 +177,7 @@ class RolloutConfig:
     temperature: float = _f(1.0, "Sampling temperature (> 0; the trainer replays it when re-scoring).")
     top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1].")
     top_k: int = _f(-1, "Top-k sampling; -1 disables it.")
-    max_new_tokens: int = _f(32, "Maximum response length in tokens.")
+    max_new_tokens: int = _f(48, "Maximum response length in tokens.")
     num_samples_per_prompt: int = _f(4, "Responses sampled per prompt (the GRPO group size).")
 
     def __post_init__(self) -> None:
@@ -202,15 +202,15 @@ class RolloutConfig:
 class TaskConfig:
     """Where prompts come from and how responses are rewarded."""
 
-    name: TaskName = _f("arithmetic", "Builtin task, or `dataset` to read prompts from dataset_path.")
+    name: TaskName = _f("length_target", "Builtin task, or `dataset` to read prompts from dataset_path.")
     dataset_path: str | None = _f(None, "JSONL/JSON/Parquet file of prompts (required for task.name=dataset).")
     prompt_key: str = _f("prompt", "Dataset column holding the prompt.")
     answer_key: str = _f("answer", "Dataset column holding the reference answer passed to the reward.")
     reward_fn: str | None = _f(None, "Custom reward as 'package.module:callable'; null uses the task's builtin.")
-    prompts_per_step: int = _f(8, "Prompts per optimizer step (rollouts per step = this x num_samples_per_prompt).")
+    prompts_per_step: int = _f(4, "Prompts per optimizer step (rollouts per step = this x num_samples_per_prompt).")
     num_prompts: int = _f(256, "Size of the generated prompt set (builtin tasks) or cap on dataset rows.")
     max_operand: int = _f(10, "arithmetic: operands are drawn from [0, max_operand].")
-    target_length: int = _f(16, "length_target: the response length (tokens) that earns the full reward.")
+    target_length: int = _f(24, "length_target: the response length (tokens) that earns the full reward.")
     use_chat_template: bool = _f(True, "Wrap prompts in the tokenizer's chat template when it has one.")
 
     def __post_init__(self) -> None:

@@ -43,7 +43,7 @@ def test_defaults_are_the_schema_defaults_with_output_dir_resolved() -> None:
     expected = dataclasses.replace(expected, run=dataclasses.replace(expected.run, output_dir="runs/grpo-default"))
     assert cfg == expected
     assert cfg.rollout_correction == RolloutCorrectionConfig.from_preset("token_tis")
-    assert cfg.model.source == "smollm2-135m" and cfg.task.name == "arithmetic" and cfg.launcher.name == "local"
+    assert cfg.model.source == "smollm2-135m" and cfg.task.name == "length_target" and cfg.launcher.name == "local"
 
 
 def test_overrides_set_typed_values() -> None:
@@ -207,7 +207,7 @@ def test_bad_interpolation_names_the_key() -> None:
 @pytest.mark.parametrize(("overrides", "fragments"), [
     (["rollout.num_samples_per_prompt=1"], ["rollout.num_samples_per_prompt=1", ">= 2"]),
     (["task=dataset"], ["task.dataset_path=null", "task.dataset_path=/path/to/prompts.jsonl"]),
-    (["policy.micro_batch_size=5"], ["32 rollouts per step", "policy.micro_batch_size x data-parallel size = 5 x 1"]),
+    (["policy.micro_batch_size=5"], ["16 rollouts per step", "policy.micro_batch_size x data-parallel size = 5 x 1"]),
     (["parallelism=dp2", "policy.micro_batch_size=32"], ["= 32 x 2 = 64"]),
     (["parallelism=tp2", "launcher.nproc_per_node=3"], ["world size 3", "= 2"]),
     (["rollout_correction.rollout_is_threshold=0.5"], ["rollout_correction:", "rollout_is_threshold"]),
@@ -242,7 +242,7 @@ def test_flat_dict_has_every_dotted_key() -> None:
     flat = to_flat_dict(load_config(["launcher.container_mounts=[/a:/b,/c:/d]"]))
     assert list(flat) == list(dotted_keys(TrainConfig))
     assert yaml.safe_load(flat["launcher.container_mounts"]) == ["/a:/b", "/c:/d"]
-    assert flat["policy.lr"] == 1e-5
+    assert flat["policy.lr"] == 3e-5
 
 
 def test_from_dict_is_strict_and_fills_defaults() -> None:
@@ -269,11 +269,11 @@ def test_user_dir_adds_and_replaces_group_options(tmp_path: Path) -> None:
     (tmp_path / "task").mkdir()
     (tmp_path / "task" / "mine.yaml").write_text("name: length_target\ntarget_length: 7\n")
     (tmp_path / "task" / "arithmetic.yaml").write_text("name: arithmetic\nmax_operand: 99\n")
-    assert load_config([], tmp_path).task.max_operand == 99  # replaces conf/task/arithmetic.yaml
+    assert load_config(["task=arithmetic"], tmp_path).task.max_operand == 99  # replaces conf/task/arithmetic.yaml
     mine = load_config(["task=mine"], tmp_path).task
     assert (mine.name, mine.target_length) == ("length_target", 7)
     assert "did you mean 'mine'" in _error(["task=mien"], tmp_path)
-    assert load_config([]).task.max_operand == 10  # conf/ alone is unaffected
+    assert load_config(["task=arithmetic"]).task.max_operand == 10  # conf/ alone is unaffected
 
 
 def test_user_dir_with_its_own_root(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from nemo_rollout_correction.core.aggregation import LOSS_AGG_MODES
     (GRPOConfig, {"clip_ratio_low": 1.0}, "grpo.clip_ratio_low=1.0"),
     (GRPOConfig, {"kl_coef": -0.1}, "grpo.kl_coef=-0.1"),
     (TaskConfig, {"reward_fn": "no_callable"}, "task.reward_fn='no_callable'"),
-    (TaskConfig, {"num_prompts": 4}, "task.num_prompts=4 is not allowed: must be >= task.prompts_per_step (8)"),
+    (TaskConfig, {"num_prompts": 2}, "task.num_prompts=2 is not allowed: must be >= task.prompts_per_step (4)"),
     (TaskConfig, {"name": "dataset"}, "task.dataset_path=null"),
     (LauncherConfig, {"time": "1h"}, "launcher.time='1h'"),
     (LauncherConfig, {"container_mounts": ["/data"]}, "launcher.container_mounts[0]='/data'"),
@@ -73,11 +73,11 @@ def test_cross_section_rules() -> None:
     cfg = TrainConfig(policy=PolicyConfig(tensor_parallel_size=2, micro_batch_size=4),
                       launcher=LauncherConfig(nproc_per_node=4))
     assert cfg.data_parallel_size(4) == 2
-    cfg.check_world_size(8)  # dp 4: 32 rollouts / (4 x 4)
+    cfg.check_world_size(8)  # dp 4: 16 rollouts / (4 x 4)
     with pytest.raises(ConfigError, match="world size 5 is not divisible"):
         cfg.check_world_size(5)
     with pytest.raises(ConfigError, match=r"= 4 x 16 = 64"):
-        cfg.check_world_size(32)  # dp 16: 32 rollouts cannot fill 16 ranks x 4
+        cfg.check_world_size(32)  # dp 16: 16 rollouts cannot fill 16 ranks x 4
 
 
 def test_resolved_views() -> None:
