@@ -153,25 +153,30 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     del mlflow
 
 
-def test_torchrun_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
-    if shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists():
+ONE_STEP = [*FAST, "run.num_steps=1", "tracking.enabled=false", "checkpoint.every_n_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def one_process_step(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("one") / "run"
+    _ok(nrc([*ONE_STEP, f"run.output_dir={out}"], out.parent))
+    return read_metrics(out)[0]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_torchrun_two_ranks_match_one_process(one_process_step: dict[str, Any], tmp_path: Path, layout: str) -> None:
+    torchrun_exe = Path(sys.executable).with_name("torchrun")
+    if not torchrun_exe.exists() and shutil.which("torchrun") is None:
         pytest.skip("torchrun not found")
-    torchrun = [
-        str(Path(sys.executable).with_name("torchrun")),
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "nemo_rollout_correction.cli",
-        "train",
-    ]
-    common = [*FAST, "run.num_steps=1", "tracking.enabled=false", "checkpoint.every_n_steps=0"]
-    one, two = tmp_path / "tp1", tmp_path / "tp2"
-    _ok(nrc([*common, f"run.output_dir={one}"], tmp_path))
-    _ok(nrc([*common, f"run.output_dir={two}", "parallelism=tp2"], tmp_path, launcher=torchrun))
-    a, b = read_metrics(one)[0], read_metrics(two)[0]
+    torchrun = [str(torchrun_exe), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"]
+    out = tmp_path / layout
+    _ok(nrc([*ONE_STEP, f"run.output_dir={out}", f"parallelism={layout}"], tmp_path, launcher=torchrun))
+    a, b = one_process_step, read_metrics(out)[0]
+    # The same rollouts (rank 0's engine, same seeds, same weights), then the same loss, metrics and update.
     assert a["perf/num_generated_tokens"] == b["perf/num_generated_tokens"]
     assert a["reward/mean"] == b["reward/mean"]
-    for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "loss/grad_norm"):
+    for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/num_kept_tokens",
+                "loss/grad_norm"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
