@@ -241,7 +241,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 def _global_layer_index(model: nn.Module, local_index: int) -> int:
     """Global (0-based) index of the model's `local_index`-th decoder layer (pipeline stages offset it)."""
-    layer = model.decoder.layers[local_index]  # type: ignore[union-attr, index]
+    layer: Any = model.decoder.layers[local_index]  # type: ignore[union-attr, index]
     return int(layer.layer_number) - 1
 
 

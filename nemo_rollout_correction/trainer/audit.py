@@ -119,7 +119,8 @@ def collect(
     if engine is not None:
         batch = engine.generate(prompts, sampling, seed=seed)
         payload = ([dataclasses.asdict(s) for s in batch.samples], batch.n, batch.seconds)
-    samples, n, gen_seconds = broadcast_object(payload, src=0)  # type: ignore[misc]
+    received: Any = broadcast_object(payload, src=0)
+    samples, n, gen_seconds = received
     batch = RolloutBatch([RolloutSample(**s) for s in samples], n=n, seconds=gen_seconds)
     tensors = batch.to_tensors(pad_token_id)
     start = time.perf_counter()

@@ -329,7 +329,7 @@ class GrpoTrainer:
                 kl_term = kl.sum() / max(denominators.num_global_tokens, 1.0)
                 loss = loss + cfg.grpo.kl_coef * kl_term
                 sums["kl_penalty"] += float(kl_term.detach())
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             sums["loss"] += float(out.loss.detach() if denominators is not None else out.loss_sum.detach())
             sums["num_denominator"] += float(out.num_denominator)
             partials.append(out.partials)
