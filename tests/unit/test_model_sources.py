@@ -29,6 +29,7 @@ from nemo_rollout_correction.models import sources  # noqa: E402
 from nemo_rollout_correction.models.sources import (  # noqa: E402
     BUILTIN_SOURCES,
     STAMP_FILE,
+    TINY_LLAMA_BUILTIN,
     default_cache_dir,
     read_stamp,
     resolve_model_source,
@@ -226,7 +227,8 @@ def test_resolve_tiny_llama_and_paths(tiny_dir: Path, tmp_path: Path, monkeypatc
     monkeypatch.setenv("NRC_CACHE_DIR", str(tmp_path / "envcache"))
     built = resolve_model_source("tiny-llama")
     assert built == tmp_path / "envcache" / "tiny-llama"
-    assert _hashes(built) == _hashes(tiny_dir)  # default arguments
+    reference = tiny_llama_dir(tmp_path / "reference", **TINY_LLAMA_BUILTIN)
+    assert _hashes(built) == _hashes(reference)  # the builtin arguments (TP=2-compatible heads)
     assert resolve_model_source("tiny-llama", cache_dir=tmp_path / "explicit") == tmp_path / "explicit" / "tiny-llama"
     assert resolve_model_source(str(tiny_dir)) == tiny_dir
     assert resolve_model_source(tiny_dir) == tiny_dir  # a Path is fine too
