@@ -102,9 +102,11 @@ def test_torchrun_command_multi_node_uses_c10d_rendezvous_expanded_on_each_node(
 def test_cli_composes_the_launcher_section_of_the_train_config() -> None:
     # The parallelism group sets launcher.nproc_per_node in nrc train's config; the launcher follows it.
     pytest.importorskip("hydra", reason="the config extra (hydra-core) is not installed")
-    _, settings, entry = resolve(["parallelism=dp2", "launcher=slurm", "launcher.nodes=2"])
+    # 4 ranks: 16 rollouts per step must split into microbatches of 4 on each data-parallel rank.
+    overrides = ["parallelism=dp2", "launcher=slurm", "launcher.nodes=2", "policy.micro_batch_size=4"]
+    _, settings, entry = resolve(overrides)
     assert (settings.name, settings.nodes, settings.nproc_per_node, settings.account) == ("slurm", 2, 2, None)
-    assert entry.args == ("train", "parallelism=dp2", "launcher=slurm", "launcher.nodes=2")
+    assert entry.args == ("train", *overrides)
 
 
 def test_cli_routes_overrides_and_entry_arguments() -> None:
@@ -119,9 +121,10 @@ def test_cli_routes_overrides_and_entry_arguments() -> None:
 
 
 def test_cli_print_torchrun_and_bad_input_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["launcher.nproc_per_node=4", "run.num_steps=3", "--print-torchrun"]) == 0
+    assert main(["launcher.nproc_per_node=4", "policy.micro_batch_size=4", "run.num_steps=3", "--print-torchrun"]) == 0
     assert capsys.readouterr().out.strip() == ("torchrun --nproc-per-node 4 --standalone --nnodes 1 --no-python "
-                                               "nrc train launcher.nproc_per_node=4 run.num_steps=3")
+                                               "nrc train launcher.nproc_per_node=4 policy.micro_batch_size=4 "
+                                               "run.num_steps=3")
     assert main(["launcher.nodes=3"]) == 2  # composed through nrc train's config: its message
     err = capsys.readouterr().err
     assert err.startswith("nrc launch: ") and "launcher.nodes=3" in err and "slurm" in err
