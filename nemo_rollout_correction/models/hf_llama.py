@@ -178,6 +178,7 @@ def transformer_config(arch: LlamaArch, *, tensor_parallel_size: int = 1, pipeli
         "tensor_model_parallel_size": tensor_parallel_size,
         "pipeline_model_parallel_size": pipeline_parallel_size,
         "params_dtype": params_dtype,
+        "pipeline_dtype": params_dtype,  # dtype of the activations sent between pipeline stages (required for PP > 1)
         "bf16": params_dtype == torch.bfloat16,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,

@@ -116,3 +116,14 @@ def test_unsupported_architectures_are_refused() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_key_value_heads=3"):
         LlamaArch.from_hf_config({**base, "num_attention_heads": 9, "num_key_value_heads": 3,
                                   "hidden_size": 576}).check_tensor_parallel(2)
+
+
+def test_transformer_config_for_pipeline_parallelism() -> None:
+    from nemo_rollout_correction.models.hf_llama import transformer_config
+
+    arch = LlamaArch.from_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+                                     "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2})
+    config = transformer_config(arch, pipeline_parallel_size=2)  # Megatron requires pipeline_dtype for PP > 1
+    assert config.pipeline_dtype == torch.float32 and config.pipeline_model_parallel_size == 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 does not divide num_layers=4"):
+        transformer_config(arch, pipeline_parallel_size=3)
