@@ -238,6 +238,10 @@ def build_gpt_model(arch: LlamaArch, config: Any, *, pre_process: bool = True, p
 # --- name mapping ---------------------------------------------------------------------------------
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Megatron names of the parameters outside the decoder layers -> Hugging Face names.
+_GLOBAL_NAMES = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                 "decoder.final_layernorm.weight": "model.norm.weight",
+                 "output_layer.weight": "lm_head.weight"}
 
 
 def _global_layer_index(model: nn.Module, local_index: int) -> int:
@@ -314,16 +318,14 @@ def hf_to_megatron_shard(hf: Mapping[str, Tensor], name: str, arch: LlamaArch, *
     if global_layer is not None:
         _, suffix = _split_megatron_name(name)
         return _hf_layer_tensor(hf, global_layer, _local_suffix(suffix), arch, tp_rank, tp)
-    if name == "embedding.word_embeddings.weight":
-        return hf["model.embed_tokens.weight"].chunk(tp, dim=0)[tp_rank]
-    if name == "decoder.final_layernorm.weight":
-        return hf["model.norm.weight"]
-    if name == "output_layer.weight":
-        source = hf.get("lm_head.weight")
-        if source is None:  # tied checkpoints may omit lm_head
-            source = hf["model.embed_tokens.weight"]
-        return source.chunk(tp, dim=0)[tp_rank]
-    raise KeyError(f"no Hugging Face source for Megatron parameter {name!r}")
+    hf_name = _GLOBAL_NAMES.get(name)
+    if hf_name is None:
+        raise KeyError(f"no Hugging Face source for Megatron parameter {name!r}")
+    if hf_name == "lm_head.weight" and hf_name not in hf:  # tied checkpoints may omit lm_head
+        hf_name = "model.embed_tokens.weight"
+    if hf_name == "model.norm.weight":
+        return hf[hf_name]
+    return hf[hf_name].chunk(tp, dim=0)[tp_rank]  # embedding and output layer: vocab-sharded
 
 
 @torch.no_grad()
@@ -366,9 +368,7 @@ def iter_hf_weights(model: nn.Module, arch: LlamaArch, *, tp_group: Any = None,
             full = full.to(dtype)
         local, suffix = _split_megatron_name(name)
         if local is None:
-            hf_name = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-                       "decoder.final_layernorm.weight": "model.norm.weight",
-                       "output_layer.weight": "lm_head.weight"}.get(name)
+            hf_name = _GLOBAL_NAMES.get(name)
             if hf_name is None:
                 raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
             yield hf_name, full

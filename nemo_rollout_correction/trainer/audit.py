@@ -31,10 +31,11 @@ from torch import Tensor
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import compute_rollout_correction
-from nemo_rollout_correction.distributed.runtime import Runtime, broadcast_object
+from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.models.policy import MegatronPolicy
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
 from nemo_rollout_correction.trainer.settings import (
+    broadcast_rollouts,
     engine_options,
     pad_token_id,
     replay_options,
@@ -115,13 +116,7 @@ def collect(
 
     Every rank of the job must call this (the TP ranks take part in the vocab-parallel logprobs).
     """
-    payload: Any = None
-    if engine is not None:
-        batch = engine.generate(prompts, sampling, seed=seed)
-        payload = ([dataclasses.asdict(s) for s in batch.samples], batch.n, batch.seconds)
-    received: Any = broadcast_object(payload, src=0)
-    samples, n, gen_seconds = received
-    batch = RolloutBatch([RolloutSample(**s) for s in samples], n=n, seconds=gen_seconds)
+    batch, _ = broadcast_rollouts(engine.generate(prompts, sampling, seed=seed) if engine is not None else None)
     tensors = batch.to_tensors(pad_token_id)
     start = time.perf_counter()
     pieces = []
@@ -135,7 +130,7 @@ def collect(
         rollout_logprobs=tensors["rollout_logprobs"],
         old_logprobs=old,
         loss_mask=tensors["loss_mask"],
-        seconds={"generation": gen_seconds, "rescoring": time.perf_counter() - start},
+        seconds={"generation": batch.seconds, "rescoring": time.perf_counter() - start},
     )
 
 

@@ -46,7 +46,6 @@ from nemo_rollout_correction.distributed.runtime import (
     all_reduce_gradients,
     all_reduce_sums,
     barrier,
-    broadcast_object,
     clip_grad_norm,
     scale_gradients,
 )
@@ -57,16 +56,16 @@ from nemo_rollout_correction.losses.rollout_corrected_pg import (
 )
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import resolve_model_source
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample, VllmRolloutEngine
+from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
 from nemo_rollout_correction.trainer import checkpoint as ckpt
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
 from nemo_rollout_correction.trainer.rewards import score
 from nemo_rollout_correction.trainer.settings import (
+    broadcast_rollouts,
     engine_options,
     pad_token_id,
     replay_options,
-    rollout_seed,
     sampling_options,
     tokenize_prompt,
 )
@@ -226,11 +225,12 @@ class GrpoTrainer:
 
     def rollout(self, records: list[PromptRecord]) -> tuple[RolloutBatch, list[float]]:
         """Generate on the engine rank, score, broadcast; identical (batch, rewards) on every rank."""
-        payload: Any = None
+        batch: RolloutBatch | None = None
+        rewards: list[float] | None = None
         if self.engine is not None:
             prompts = [self.prompt_token_ids(r) for r in records]
             batch = self.engine.generate(
-                prompts, self.sampling, seed=rollout_seed(self.cfg) + self.step_index * _STEP_SEED_STRIDE
+                prompts, self.sampling, seed=self.cfg.rollout_seed + self.step_index * _STEP_SEED_STRIDE
             )
             completions = [s.text for s in batch.samples]
             sample_records = [records[s.prompt_index] for s in batch.samples]
@@ -241,10 +241,8 @@ class GrpoTrainer:
                 sample_records,
                 [len(s.token_ids) for s in batch.samples],
             )
-            payload = ([dataclasses.asdict(s) for s in batch.samples], batch.n, batch.seconds, rewards)
-        payload = broadcast_object(payload, src=0)
-        samples, n, seconds, rewards = payload
-        return RolloutBatch([RolloutSample(**s) for s in samples], n=n, seconds=seconds), list(rewards)
+        shared, rewards = broadcast_rollouts(batch, rewards)
+        return shared, list(rewards)
 
     def _microbatches(self, tensors: dict[str, Tensor], advantages: Tensor) -> list[Microbatch]:
         """This dp rank's contiguous slice of the samples, cut into microbatches trimmed to their longest row."""

@@ -1,16 +1,13 @@
-"""Config sections -> engine, sampling, replay and tokenisation settings (shared by `nrc train` and `nrc audit`)."""
+"""Shared by `nrc train` and `nrc audit`: engine/sampling/replay settings, tokenisation, rollout broadcast."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from nemo_rollout_correction.config.schema import TrainConfig
-from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions
-
-
-def rollout_seed(cfg: TrainConfig) -> int:
-    """`rollout.seed`, or `run.seed` when unset."""
-    return cfg.rollout_seed
+from nemo_rollout_correction.distributed.runtime import broadcast_object
+from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, RolloutBatch, RolloutSample, SamplingOptions
 
 
 def sampling_options(cfg: TrainConfig) -> SamplingOptions:
@@ -41,7 +38,7 @@ def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None) -
         gpu_memory_utilization=r.gpu_memory_utilization,
         cpu_kvcache_space_gib=r.cpu_kvcache_space_gib,
         enforce_eager=r.enforce_eager,
-        seed=rollout_seed(cfg),
+        seed=cfg.rollout_seed,
         tensor_parallel_size=r.tensor_parallel_size,
     )
 
@@ -64,4 +61,19 @@ def pad_token_id(tokenizer: Any) -> int:
     return int(pad or 0)
 
 
-__all__ = ["engine_options", "pad_token_id", "replay_options", "rollout_seed", "sampling_options", "tokenize_prompt"]
+def broadcast_rollouts(batch: RolloutBatch | None, extra: Any = None) -> tuple[RolloutBatch, Any]:
+    """Share the engine rank's rollouts (and `extra`, e.g. rewards) with every rank of the job.
+
+    The engine rank (global rank 0) passes its batch; every other rank passes None. Samples travel as
+    plain dicts (one `broadcast_object_list`); without torch.distributed this is the identity.
+    """
+    payload: Any = None
+    if batch is not None:
+        payload = ([dataclasses.asdict(s) for s in batch.samples], batch.n, batch.seconds, extra)
+    received: Any = broadcast_object(payload, src=0)
+    samples, n, seconds, extra = received
+    return RolloutBatch([RolloutSample(**s) for s in samples], n=n, seconds=seconds), extra
+
+
+__all__ = ["broadcast_rollouts", "engine_options", "pad_token_id", "replay_options", "sampling_options",
+           "tokenize_prompt"]

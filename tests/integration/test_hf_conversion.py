@@ -8,9 +8,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,24 +54,8 @@ def _reference_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tens
     return logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
 
 
-@pytest.fixture(scope="module")
-def megatron_tp1() -> Iterator[None]:
-    import torch.distributed as dist
-
-    from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
-
-    owned = not dist.is_initialized()
-    if owned:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-            os.environ.pop(key, None)
-    init_runtime(1, 1, 1)
-    yield
-    if owned:
-        shutdown_runtime()
-
-
 @pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("llama", True), ("qwen2", False)])
-def test_matches_transformers_and_round_trips(megatron_tp1: None, tmp_path: Path, kind: str, tied: bool) -> None:
+def test_matches_transformers_and_round_trips(megatron_runtime: object, tmp_path: Path, kind: str, tied: bool) -> None:
     from nemo_rollout_correction.models.policy import MegatronPolicy
 
     hf_dir, reference = _write(kind, tied, tmp_path)

@@ -13,8 +13,6 @@ Run them all with `pytest tests/integration -k parity -m "slow or not slow"`.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,22 +40,11 @@ REPLAY: dict[str, Any] = {"temperature": 1.0, "top_k": None, "top_p": None}
 
 
 @pytest.fixture(scope="module")
-def megatron_state() -> Iterator[None]:
-    """A one-process gloo group and Megatron parallel state (TP=1) for this module."""
-    import torch.distributed as dist
+def megatron_state(megatron_runtime: Any) -> None:
+    """This module's tests need Megatron's parallel state at TP = 1 (see conftest.megatron_runtime)."""
     from megatron.core import parallel_state as ps
 
-    from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
-
-    owned = not dist.is_initialized()
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        if owned:
-            os.environ.pop(key, None)
-    init_runtime(1, 1, 1)
     assert ps.get_tensor_model_parallel_world_size() == 1
-    yield
-    if owned:
-        shutdown_runtime()
 
 
 def _tiny(root: Path, tied: bool) -> Path:

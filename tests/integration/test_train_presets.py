@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,26 +32,16 @@ pytestmark = [pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    import torch.distributed as dist
-
-    from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
+def trainer(megatron_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from nemo_rollout_correction.trainer.grpo import GrpoTrainer
 
-    owned = not dist.is_initialized()
-    if owned:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-            os.environ.pop(key, None)
     out = tmp_path_factory.mktemp("presets")
     cfg = load_config(["model=tiny_llama", "task.prompts_per_step=4", "rollout.num_samples_per_prompt=4",
                        "rollout.max_new_tokens=12", "policy.micro_batch_size=8", "policy.lr=1e-3",
                        "tracking.enabled=false", f"run.output_dir={out}"])
-    runtime = init_runtime(1, 1, 1)
-    trainer = GrpoTrainer(cfg, runtime, None, log=lambda message: None)
+    trainer = GrpoTrainer(cfg, megatron_runtime, None, log=lambda message: None)
     yield trainer
     trainer.close()
-    if owned:
-        shutdown_runtime()
 
 
 def _snapshot(trainer: Any) -> dict[str, Any]:

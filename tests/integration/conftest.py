@@ -1,0 +1,31 @@
+"""Shared fixtures of the integration tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def megatron_runtime() -> Iterator[Any]:
+    """A one-process gloo group and Megatron parallel state (TP = PP = CP = 1) for the requesting module.
+
+    torchrun variables inherited from the environment are dropped so `init_runtime` builds its own
+    one-process group; the group is destroyed at the end of the module unless it existed before.
+    """
+    pytest.importorskip("megatron.core", reason="needs the megatron extra")
+    import torch.distributed as dist
+
+    from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
+
+    owned = not dist.is_initialized()
+    if owned:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+            os.environ.pop(key, None)
+    runtime = init_runtime(1, 1, 1)
+    yield runtime
+    if owned:
+        shutdown_runtime()
