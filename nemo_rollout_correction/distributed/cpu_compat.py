@@ -2,13 +2,22 @@
 
 Megatron-Core calls `torch.cuda.current_device()` in several helpers (rotary embeddings, some
 tensor-parallel utilities, parallel-state set-up) and uses the result as a `device=`; on CPU
-`patch_cuda_for_cpu` makes it return `"cpu"`. Lives in the distributed layer because process-group
-set-up (`runtime.init_runtime`) needs it before any model exists; `models.megatron_cpu` re-exports it.
+`patch_cuda_for_cpu` makes it return `"cpu"` and `torch.cuda.synchronize()` a no-op (the pipeline
+p2p code calls it after every exchange). Megatron's pipeline schedules also create tensors with a
+literal `device="cuda"` and its tied-embedding set-up calls `Tensor.cuda()`; `cuda_to_cpu()` is a
+torch-function mode that sends both to the CPU while Megatron code runs. Lives in the distributed layer
+because process-group set-up (`runtime.init_runtime`) needs it before any model exists;
+`models.megatron_cpu` re-exports it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 def patch_cuda_for_cpu() -> bool:
@@ -24,9 +33,47 @@ def patch_cuda_for_cpu() -> bool:
         def current_device() -> str:
             return "cpu"
 
+        def synchronize(device: Any = None) -> None:
+            return None
+
         current_device._nrc_cpu_patch = True  # type: ignore[attr-defined]
         torch.cuda.current_device = current_device  # type: ignore[assignment]
+        torch.cuda.synchronize = synchronize
     return True
 
 
-__all__ = ["patch_cuda_for_cpu"]
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrite `device="cuda..."` to the CPU and make `Tensor.cuda()` the identity."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_to_cpu() -> Iterator[None]:
+    """While active (and only without CUDA), tensors Megatron places on "cuda" land on the CPU.
+
+    With CUDA available this does nothing. The mode costs a Python call per torch function, so the
+    trainer enters it only around Megatron's schedule and model construction.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    patch_cuda_for_cpu()
+    with _CudaToCpu():
+        yield
+
+
+__all__ = ["cuda_to_cpu", "patch_cuda_for_cpu"]

@@ -1,4 +1,4 @@
-"""The process groups the distributed layer reduces over: TP, CP, DP and DP x CP.
+"""The process groups the distributed layer reduces over: TP, CP, DP, DP x CP and PP.
 
 A `ParallelGroups` names, for the calling rank, the groups of Megatron-Core's parallel layout and
 the rank's coordinates in them. Three ways to get one:
@@ -13,7 +13,8 @@ the rank's coordinates in them. Three ways to get one:
 
 Which group each quantity is reduced over (DESIGN.md, "The reduction contract"): per-sequence
 partials over `cp`; metric partials and loss denominators over `dp_cp`; nothing over `tp` (values
-are replicated there after the vocab-parallel logprob). No function of this package reduces over
+are replicated there after the vocab-parallel logprob); over `pp` only the trainer's step-level
+exchanges (gradient norm, the last stage's metrics, the refit weights). No function of this package reduces over
 the default (WORLD) group: a WORLD collective would include other pipeline stages and TP replicas,
 count their values several times, and hang stages that have no loss.
 """
@@ -63,16 +64,25 @@ class ParallelGroups:
     """This rank's index in `dp_cp_group`."""
     is_last_pipeline_stage: bool = True
     """Whether this rank holds the last pipeline stage (the only one with a loss and metrics)."""
+    pp_group: ProcessGroup | None = None
+    """Pipeline-parallel group: the stages of this rank's pipeline (same tp, cp and dp coordinates)."""
+    pp_rank: int = 0
+    """This rank's pipeline stage."""
+    pp_size: int = 1
+    """Pipeline-parallel size (number of stages)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp", "dp"):
+        for name in ("tp", "cp", "dp", "pp"):
             rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
             if size < 1 or not 0 <= rank < size:
                 raise ValueError(f"{name}_rank={rank} must lie in [0, {name}_size={size})")
+        if self.is_last_pipeline_stage != (self.pp_rank == self.pp_size - 1):
+            raise ValueError(f"is_last_pipeline_stage={self.is_last_pipeline_stage} contradicts pp_rank={self.pp_rank} "
+                             f"of pp_size={self.pp_size}")
         if not 0 <= self.dp_cp_rank < self.dp_cp_size:
             raise ValueError(f"dp_cp_rank={self.dp_cp_rank} must lie in [0, dp_cp_size={self.dp_cp_size})")
         for name, size in (("tp", self.tp_size), ("cp", self.cp_size), ("dp", self.dp_size),
-                           ("dp_cp", self.dp_cp_size)):
+                           ("dp_cp", self.dp_cp_size), ("pp", self.pp_size)):
             if size > 1 and getattr(self, f"{name}_group") is None:
                 raise ValueError(f"{name}_group is None but {name} size is {size}; pass the process group")
 
@@ -103,16 +113,15 @@ class ParallelGroups:
         cp = mpu.get_context_parallel_group()
         dp = mpu.get_data_parallel_group(with_context_parallel=False)
         dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
-        try:
-            last = bool(mpu.is_pipeline_last_stage(ignore_virtual=True))
-        except TypeError:  # megatron-core versions whose signature lacks ignore_virtual
-            last = bool(mpu.is_pipeline_last_stage())
+        pp = mpu.get_pipeline_model_parallel_group()
+        pp_rank, pp_size = dist.get_rank(pp), dist.get_world_size(pp)
         return cls(
             tp_group=tp, cp_group=cp, dp_group=dp, dp_cp_group=dp_cp,
             tp_rank=dist.get_rank(tp), tp_size=dist.get_world_size(tp),
             cp_rank=dist.get_rank(cp), cp_size=dist.get_world_size(cp),
             dp_rank=dist.get_rank(dp), dp_size=dist.get_world_size(dp),
-            dp_cp_rank=dist.get_rank(dp_cp), is_last_pipeline_stage=last,
+            dp_cp_rank=dist.get_rank(dp_cp), is_last_pipeline_stage=pp_rank == pp_size - 1,
+            pp_group=pp, pp_rank=pp_rank, pp_size=pp_size,
         )
 
 
@@ -159,15 +168,16 @@ def build_parallel_groups(
     def members(vary: str, fixed: tuple[int, int, int, int]) -> list[int]:
         t0, c0, d0, p0 = fixed
         out = []
-        for d in range(dp) if "d" in vary else [d0]:
-            for c in range(cp) if "c" in vary else [c0]:
-                for t in range(tp) if "t" in vary else [t0]:
-                    out.append(layout[megatron_rank(t, c, d, p0, tp, cp, dp)])
+        for p in range(pp) if "p" in vary else [p0]:
+            for d in range(dp) if "d" in vary else [d0]:
+                for c in range(cp) if "c" in vary else [c0]:
+                    for t in range(tp) if "t" in vary else [t0]:
+                        out.append(layout[megatron_rank(t, c, d, p, tp, cp, dp)])
         return out
 
     mine: dict[str, ProcessGroup | None] = {}
     # Every process creates every group, in the same order (new_group is collective).
-    for vary in ("t", "c", "d", "cd"):
+    for vary in ("t", "c", "d", "cd", "p"):
         seen: set[tuple[int, ...]] = set()
         for rank in layout:
             group_ranks = tuple(members(vary, coords[rank]))
@@ -184,4 +194,5 @@ def build_parallel_groups(
         tp_group=mine["t"], cp_group=mine["c"], dp_group=mine["d"], dp_cp_group=mine["cd"],
         tp_rank=t, tp_size=tp, cp_rank=c, cp_size=cp, dp_rank=d, dp_size=dp,
         dp_cp_rank=c + cp * d, is_last_pipeline_stage=(p == pp - 1),
+        pp_group=mine["p"], pp_rank=p, pp_size=pp,
     )

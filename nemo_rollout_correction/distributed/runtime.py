@@ -133,15 +133,21 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, groups: Para
 
     TP-sharded parameters (`tensor_model_parallel=True`) contribute their shard on every TP rank;
     replicated ones (norm weights) only on TP rank 0, so the all-reduced sum counts each element once.
+    Pipeline stages add their parts (one all-reduce over PP); the last stage's copy of a tied
+    embedding (Megatron marks it `shared=True`) is not counted twice.
     """
     params = [p for p in params if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float64)
     for param in params:
+        if getattr(param, "shared", False):
+            continue
         sharded = bool(getattr(param, "tensor_model_parallel", False))
         if sharded or groups.tp_rank == 0:
             sq += param.grad.detach().double().pow(2).sum().cpu()  # type: ignore[union-attr]
     if groups.tp_size > 1:
         dist.all_reduce(sq, group=groups.tp_group)
+    if groups.pp_size > 1:
+        dist.all_reduce(sq, group=groups.pp_group)
     norm = math.sqrt(float(sq))
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)

@@ -363,6 +363,8 @@ def iter_hf_weights(model: nn.Module, arch: LlamaArch, *, tp_group: Any = None,
     """
     tp = group_size(tp_group)
     for name, param in model.named_parameters():
+        if name == "output_layer.weight" and arch.tie_word_embeddings:
+            continue  # the last pipeline stage's copy of a tied embedding: the first stage exports it
         full = _gather_full(param, tp_group)
         if dtype is not None:
             full = full.to(dtype)

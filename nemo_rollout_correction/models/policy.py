@@ -8,8 +8,8 @@ computed with `distributed.vocab_parallel_logprobs` so TP-sharded logits are nev
 a rollout-engine refit and of a Hugging Face export.
 
 Pipeline parallelism: `from_hf` builds the right stage (pre/post process, layer offsets) and the
-weight conversion handles stages; `logits`/`token_logprobs` run a whole model and so need PP = 1 (the
-trainer uses Megatron's pipeline schedule for PP > 1).
+weight conversion handles stages. `score_microbatches` runs Megatron's schedule (`models.schedule`)
+and so works for every layout; `logits`/`token_logprobs` call the model directly and need PP = 1.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
 from nemo_rollout_correction.distributed.tensor_gather import group_rank, group_size
 from nemo_rollout_correction.distributed.vocab_parallel import vocab_parallel_logprobs
 from nemo_rollout_correction.models.hf_llama import (
@@ -36,6 +37,7 @@ from nemo_rollout_correction.models.hf_llama import (
     transformer_config,
 )
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask, seed_model_parallel
+from nemo_rollout_correction.models.schedule import run_microbatches
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,6 +60,8 @@ class MegatronPolicy:
     hf_dir: Path
     tp_group: Any = None
     pp_size: int = 1
+    is_last_stage: bool = True
+    """Whether this rank holds the last pipeline stage (the output layer: logits and logprobs)."""
 
     @property
     def tp_size(self) -> int:
@@ -87,12 +91,15 @@ class MegatronPolicy:
         dtype = parse_dtype(params_dtype)
         seed_model_parallel(seed)
         config = transformer_config(arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, params_dtype=dtype)
-        model = build_gpt_model(arch, config, pre_process=ps.is_pipeline_first_stage(),
-                                post_process=ps.is_pipeline_last_stage(),
-                                use_transformer_engine=use_transformer_engine)
+        last = bool(ps.is_pipeline_last_stage())
+        # With PP > 1 and tied embeddings Megatron syncs the last stage's embedding copy at construction,
+        # via Tensor.cuda(): the CPU mode keeps it on the CPU.
+        with cuda_to_cpu():
+            model = build_gpt_model(arch, config, pre_process=ps.is_pipeline_first_stage(), post_process=last,
+                                    use_transformer_engine=use_transformer_engine)
         load_hf_weights(model, load_hf_state_dict(hf_dir), arch, tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp)
         group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-        return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp)
+        return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp, is_last_stage=last)
 
     def logits(self, input_ids: Tensor) -> Tensor:
         """Vocab-sharded logits `[batch, seq, vocab / tp]` for right-padded `input_ids` `[batch, seq]`.
@@ -122,6 +129,24 @@ class MegatronPolicy:
         temperature/top-k/top-p are given), identical on every TP rank; differentiable."""
         return self.logprobs_from_logits(self.logits(input_ids), input_ids, temperature=temperature, top_k=top_k,
                                          top_p=top_p)
+
+    @torch.no_grad()
+    def score_microbatches(self, input_ids: list[Tensor], *, temperature: float = 1.0, top_k: int | None = None,
+                           top_p: float | None = None) -> list[Tensor] | None:
+        """No-grad `[rows, width - 1]` logprobs per microbatch through Megatron's schedule (any PP size).
+
+        Every stage of a pipeline must call it with the same microbatches; the last stage gets the
+        list (as `token_logprobs` would compute it), the other stages None.
+        """
+        out: list[Tensor] = []
+
+        def hook(index: int, logits: Tensor) -> Tensor:
+            out.append(self.logprobs_from_logits(logits, input_ids[index], temperature=temperature, top_k=top_k,
+                                                 top_p=top_p))
+            return logits.new_zeros(())
+
+        run_microbatches(self.model, input_ids, hook, forward_only=True)
+        return out if self.is_last_stage else None
 
     def hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """(Hugging Face name, full tensor) for this pipeline stage; every TP rank must iterate (collectives)."""

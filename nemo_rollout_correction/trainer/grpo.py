@@ -16,6 +16,12 @@ One step (`GrpoTrainer.step`), on every rank of the job:
    policy when `grpo.kl_coef > 0`), backward per microbatch; gradients summed over dp, clipped, AdamW step;
 8. refit: the TP shards are gathered into Hugging Face tensors and pushed into the running engine.
 
+Every forward/backward goes through Megatron's schedule (`models.schedule.run_microbatches`): with
+pipeline parallelism the logits, and so the logprobs, the correction, the loss and the metrics, exist
+on the last stage only. The last stage sends its step metrics (and the review) to stage 0, where the
+logging rank is; gradients of a tied embedding are summed over the first and last stage; the refit
+gathers every stage's weights to stage 0, where the engine is.
+
 Timings of each phase, throughput and every metric are reported to the observer; checkpoints hold
 everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state).
 """
@@ -41,6 +47,11 @@ from nemo_rollout_correction.core.advantages import grpo_advantages
 from nemo_rollout_correction.core.kl_penalty import kl_penalty
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.distributed.correction import reduce_step_metrics
+from nemo_rollout_correction.distributed.pipeline import (
+    broadcast_from_last_stage,
+    gather_weights_to_first_stage,
+    sync_tied_embedding_grads,
+)
 from nemo_rollout_correction.distributed.runtime import (
     Runtime,
     all_reduce_gradients,
@@ -55,6 +66,7 @@ from nemo_rollout_correction.losses.rollout_corrected_pg import (
     rejection_is_predictable,
 )
 from nemo_rollout_correction.models.policy import MegatronPolicy
+from nemo_rollout_correction.models.schedule import run_microbatches
 from nemo_rollout_correction.models.sources import resolve_model_source
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
 from nemo_rollout_correction.trainer import checkpoint as ckpt
@@ -87,6 +99,7 @@ class Microbatch:
     rows: Tensor  # [rows] indices into the step's samples
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    train_logprobs: Tensor | None = None  # the loss pass's logprobs (pre-update policy), detached
 
 
 def _progress(message: str) -> None:
@@ -113,11 +126,11 @@ class GrpoTrainer:
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         cfg.check_world_size(runtime.world_size, source=f"torch.distributed world size {runtime.world_size}")
-        if runtime.pipeline_parallel_size > 1 or runtime.context_parallel_size > 1:
+        if runtime.context_parallel_size > 1:
             raise ValueError(
-                "policy.pipeline_parallel_size > 1 and policy.context_parallel_size > 1 need the GPU "
-                "path (Transformer Engine context-parallel attention, pipeline schedules); the CPU "
-                "trainer supports tensor and data parallelism (docs/training.md)"
+                "policy.context_parallel_size > 1 is not supported by the trainer: Megatron's context-parallel "
+                "attention needs Transformer Engine (GPU); tensor, pipeline and data parallelism are "
+                "(docs/training.md)"
             )
         self.rc_cfg = cfg.to_rollout_correction_config()
         self.loss_fn = RolloutCorrectedPolicyLoss(
@@ -162,7 +175,8 @@ class GrpoTrainer:
         )
         self.log(
             f"[nrc train] Megatron policy ({self.policy.arch.architecture}, {sum(p.numel() for p in self.params):,} "
-            f"parameters on this rank, TP={runtime.tensor_parallel_size}, DP={runtime.data_parallel_size}) "
+            f"parameters on this rank, TP={runtime.tensor_parallel_size}, PP={runtime.pipeline_parallel_size}, "
+            f"DP={runtime.data_parallel_size}) "
             f"built in {time.perf_counter() - start:.1f} s"
         )
 
@@ -175,6 +189,17 @@ class GrpoTrainer:
         self.reward_history: list[float] = []
 
     # ---- properties ------------------------------------------------------------------------------
+
+    @property
+    def post_scaled(self) -> bool:
+        """Bypass mode whose rejection depends on the current policy, with nothing that needs the denominator
+        up front: the loss numerators are backpropagated and the gradients divided by the global count."""
+        return (
+            self.rc_cfg.bypass_mode
+            and not rejection_is_predictable(self.rc_cfg)
+            and not self.rc_cfg.rollout_is_batch_normalize
+            and self.reference is None
+        )
 
     def prompt_token_ids(self, record: PromptRecord) -> list[int]:
         """Token ids of a prompt (chat template when configured and available)."""
@@ -265,9 +290,9 @@ class GrpoTrainer:
             )
         return out
 
-    @torch.no_grad()
-    def _score(self, policy: MegatronPolicy, mb: Microbatch) -> Tensor:
-        return policy.token_logprobs(mb.input_ids, **self.replay)
+    def _score(self, policy: MegatronPolicy, microbatches: list[Microbatch]) -> list[Tensor] | None:
+        """No-grad logprobs of every microbatch (last pipeline stage; None on the others)."""
+        return policy.score_microbatches([mb.input_ids for mb in microbatches], **self.replay)
 
     def step(self) -> dict[str, float]:
         """Run one GRPO step; returns the step's metrics (identical keys on every rank)."""
@@ -286,15 +311,17 @@ class GrpoTrainer:
         microbatches = self._microbatches(tensors, advantages)
         self.policy.model.train()
 
+        last = self.policy.is_last_stage
+
         t = time.perf_counter()
         if not self.rc_cfg.bypass_mode:
-            for mb in microbatches:
-                mb.old_logprobs = self._score(self.policy, mb)
+            for mb, scored in zip(microbatches, self._score(self.policy, microbatches) or [], strict=False):
+                mb.old_logprobs = scored
         timings["old_logprob"] = time.perf_counter() - t
         t = time.perf_counter()
         if self.reference is not None:
-            for mb in microbatches:
-                mb.ref_logprobs = self._score(self.reference, mb)
+            for mb, scored in zip(microbatches, self._score(self.reference, microbatches) or [], strict=False):
+                mb.ref_logprobs = scored
         timings["ref_logprob"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -305,8 +332,11 @@ class GrpoTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss": 0.0, "kl_penalty": 0.0, "num_denominator": 0.0}
         partials = []
-        for i, mb in enumerate(microbatches):
-            logprobs = self.policy.token_logprobs(mb.input_ids, **self.replay)
+
+        def loss_hook(i: int, logits: Tensor) -> Tensor:  # last stage: one microbatch's loss
+            mb = microbatches[i]
+            logprobs = self.policy.logprobs_from_logits(logits, mb.input_ids, **self.replay)
+            mb.train_logprobs = logprobs.detach()
             out = self.loss_fn(
                 logprobs,
                 mb.rollout_logprobs,
@@ -327,29 +357,44 @@ class GrpoTrainer:
                 kl_term = kl.sum() / max(denominators.num_global_tokens, 1.0)
                 loss = loss + cfg.grpo.kl_coef * kl_term
                 sums["kl_penalty"] += float(kl_term.detach())
-            loss.backward()  # type: ignore[no-untyped-call]
             sums["loss"] += float(out.loss.detach() if denominators is not None else out.loss_sum.detach())
             sums["num_denominator"] += float(out.num_denominator)
             partials.append(out.partials)
             for key, value in out.policy_stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
-        if denominators is None:
-            count = all_reduce_sums({"n": sums["num_denominator"]}, self.groups)["n"]
+            return loss
+
+        run_microbatches(self.policy.model, [mb.input_ids for mb in microbatches], loss_hook, forward_only=False)
+        if self.post_scaled:
+            count = all_reduce_sums({"n": sums["num_denominator"]}, self.groups)["n"] if last else 0.0
+            count = float(broadcast_from_last_stage(count, self.groups))  # every stage scales its gradients
             if self.loss_fn.agg_mode != "token-sum":
                 scale_gradients(self.params, 1.0 / max(count, 1.0))
                 sums["loss"] /= max(count, 1.0)
+        sync_tied_embedding_grads(self.policy.model, self.groups)
         all_reduce_gradients(self.params, self.groups)
         grad_norm = clip_grad_norm(self.params, cfg.policy.grad_clip, self.groups)
         self.optimizer.step()
         timings["train"] = time.perf_counter() - t
-        if corrections is None:  # corrected inside the loss pass: metrics from its partials
-            t = time.perf_counter()
-            rc_metrics = reduce_step_metrics(partials, self.rc_cfg, self.groups)
-            timings["correction"] += time.perf_counter() - t
-        sums.setdefault("num_tokens", 0.0)
-        for key in ("pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum"):
-            sums.setdefault(key, 0.0)
-        reduced = all_reduce_sums(sums, self.groups)
+
+        reduced: dict[str, float] = {}
+        review = None
+        if last:
+            if corrections is None:  # corrected inside the loss pass: metrics from its partials
+                t = time.perf_counter()
+                rc_metrics = reduce_step_metrics(partials, self.rc_cfg, self.groups)
+                timings["correction"] += time.perf_counter() - t
+            sums.setdefault("num_tokens", 0.0)
+            for key in ("pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum"):
+                sums.setdefault(key, 0.0)
+            reduced = all_reduce_sums(sums, self.groups)
+            # The review covers the logging pipeline's rows (dp/cp rank 0); with PP it travels to stage 0
+            # every step (small), without PP it is built only when the observer asks for one.
+            reviewer = self.groups.dp_cp_rank == 0 and self.groups.tp_rank == 0
+            wanted = self.groups.pp_size > 1 or self.observer.wants_review(self.step_index + 1)
+            if reviewer and wanted:
+                review = self._review(batch, microbatches, corrections, reward_t, records)
+        reduced, rc_metrics, review = broadcast_from_last_stage((reduced, rc_metrics, review), self.groups)
 
         t = time.perf_counter()
         self.refit()
@@ -358,9 +403,8 @@ class GrpoTrainer:
         timings["step"] = time.perf_counter() - step_start
 
         metrics = self._metrics(batch, reward_t, reduced, rc_metrics, grad_norm, timings)
-        review = None
-        if self.runtime.is_main and self.observer.wants_review(self.step_index):
-            review = self._review(batch, microbatches, corrections, reward_t, records)
+        if not self.observer.wants_review(self.step_index):
+            review = None
         if self.runtime.is_main:  # a local record of every step, independent of the tracking server
             with self.metrics_path.open("a") as handle:
                 handle.write(json.dumps({"step": self.step_index, **metrics}) + "\n")
@@ -370,7 +414,18 @@ class GrpoTrainer:
     def _prepare_correction(
         self, microbatches: list[Microbatch]
     ) -> tuple[list[Any] | None, StepDenominators | None, dict[str, float]]:
-        """The step's corrections and denominators before any backward (see losses.rollout_corrected_pg)."""
+        """The step's corrections and denominators before any backward (see losses.rollout_corrected_pg).
+
+        Computed on the last pipeline stage (the only one with a loss); other stages get (None, None, {})
+        but still join the pre-pass schedule when one is needed.
+        """
+        last = self.policy.is_last_stage
+        if self.post_scaled:
+            return None, None, {}  # the loss pass corrects and counts; gradients are scaled afterwards
+        needs_pre_pass = self.rc_cfg.bypass_mode and not rejection_is_predictable(self.rc_cfg)
+        current = self._score(self.policy, microbatches) if needs_pre_pass else None
+        if not last:
+            return None, None, {}
         if not self.rc_cfg.bypass_mode:
             corrections = [
                 self.loss_fn.correct(mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, self.groups)
@@ -379,27 +434,31 @@ class GrpoTrainer:
             ]
             step = self.loss_fn.prepare_step(corrections, self.groups)
             return corrections, StepDenominators.from_step(step), step.metrics
-        if rejection_is_predictable(self.rc_cfg):
+        if current is None:  # bypass with a rejection that does not depend on the current policy
             pairs = [(mb.rollout_logprobs, mb.loss_mask) for mb in microbatches]
             return None, self.loss_fn.rollout_only_denominators(pairs, self.groups), {}
-        if not self.rc_cfg.rollout_is_batch_normalize and self.reference is None:
-            return None, None, {}  # the loss pass corrects and counts; gradients are scaled afterwards
         # Batch-normalised IS (or the KL penalty's denominator) needs the current policy's correction before
         # the first backward: one no-grad pre-pass.
         corrections = [
-            self.loss_fn.correct(self._score(self.policy, mb), mb.rollout_logprobs, mb.loss_mask, self.groups)
-            for mb in microbatches
+            self.loss_fn.correct(scored, mb.rollout_logprobs, mb.loss_mask, self.groups)
+            for scored, mb in zip(current, microbatches, strict=True)
         ]
         step = self.loss_fn.prepare_step(corrections, self.groups)
         return corrections, StepDenominators.from_step(step), step.metrics
 
     def refit(self) -> float:
-        """Push the current weights into the engine (TP shards gathered by the engine rank's TP group)."""
+        """Push the current weights into the engine.
+
+        The pipeline of dp/cp rank 0 takes part: every stage gathers its TP shards (all TP ranks join the
+        all-gathers), then TP rank 0 of each stage sends its part to stage 0, where the engine is.
+        """
         if self.groups.dp_rank != 0 or self.groups.cp_rank != 0:
             return 0.0
         weights = self.policy.hf_weights(dtype=None)
+        if self.groups.tp_rank == 0:
+            weights = gather_weights_to_first_stage(weights, self.groups)
         if self.engine is None:
-            for _ in weights:  # take part in the TP gathers
+            for _ in weights:  # take part in the gathers
                 pass
             return 0.0
         return self.engine.refit(weights)
@@ -452,7 +511,9 @@ class GrpoTrainer:
         """Per-sequence mismatch detail of this rank's rows (the logging rank's slice)."""
         raw, applied, seq_lr, seq_max, seq_kl, seq_w, lengths, kept, rows = [], [], [], [], [], [], [], [], []
         for i, mb in enumerate(microbatches):
-            reference = mb.old_logprobs if mb.old_logprobs is not None else self._score(self.policy, mb)
+            # bypass mode: the reference is the policy the loss pass saw (before this step's update)
+            reference = mb.old_logprobs if mb.old_logprobs is not None else mb.train_logprobs
+            assert reference is not None, "the review runs after the loss pass"
             log_ratio = torch.where(mb.loss_mask, reference - mb.rollout_logprobs, torch.zeros_like(reference))
             log_ratio = torch.nan_to_num(log_ratio, nan=0.0, posinf=0.0, neginf=0.0)
             keep = corrections[i].keep_mask if corrections is not None else mb.loss_mask

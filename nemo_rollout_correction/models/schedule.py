@@ -1,0 +1,84 @@
+"""Run a list of microbatches through Megatron-Core's forward/backward schedule.
+
+The trainer never calls the model directly: every pass (old-logprob re-scoring, the reference
+policy, the loss pass with backward) goes through `megatron.core.pipeline_parallel.
+get_forward_backward_func()`. With PP = 1 that is Megatron's no-pipelining schedule (forward, loss,
+backward per microbatch); with PP > 1 it is the 1F1B pipeline schedule, which sends activations
+between stages and calls the loss only on the last stage. One code path for every layout.
+
+How the schedule is configured, and why:
+
+- `calculate_per_token_loss=True` and a 3-tuple from the loss function: Megatron then leaves the
+  returned loss unscaled (otherwise it divides by the number of microbatches and multiplies by the CP
+  size); our loss is already divided by the step's global denominator.
+- `variable_seq_lengths=True`: microbatches are trimmed to their longest row, so stage-to-stage
+  activations change shape; Megatron then exchanges shapes first.
+- no `finalize_model_grads_func`: the trainer reduces gradients itself (DP sum, tied embeddings).
+- on CPU, `distributed.cpu_compat.cuda_to_cpu` covers the schedule's hard-coded `device="cuda"`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
+from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask
+
+LossHook = Callable[[int, Tensor], Tensor]
+"""`(microbatch index, logits [batch, seq, vocab / tp]) -> scalar loss`; runs on the last stage only."""
+
+
+def configure_schedule(model: nn.Module) -> None:
+    """Set the schedule options this module relies on in the model's `TransformerConfig` (idempotent)."""
+    config: Any = model.config
+    config.calculate_per_token_loss = True
+    config.variable_seq_lengths = True
+    config.finalize_model_grads_func = None
+
+
+def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: LossHook, *,
+                     forward_only: bool) -> None:
+    """Forward (and unless `forward_only`, backward) every microbatch through Megatron's schedule.
+
+    input_ids: one right-padded `[rows, width]` tensor per microbatch; every stage of a pipeline must
+        pass the same list (the schedule sends activations by position). Widths may differ.
+    loss_hook: called on the last pipeline stage with each microbatch's logits; its scalar is
+        backpropagated as is (no rescaling). For `forward_only` passes return any scalar, e.g. zero.
+    Gradients accumulate into `.grad` (the caller zeroes and reduces them).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    configure_schedule(model)
+    if not input_ids:
+        return
+    device = next(model.parameters()).device
+
+    def loss_func(index: int, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        loss = loss_hook(index, logits)
+        # Megatron sums these into its token counter; unused because no finalize function runs.
+        return loss, torch.zeros((), dtype=torch.int, device=loss.device), {}
+
+    def forward_step(data_iterator: Any, stage: nn.Module) -> tuple[Tensor, Callable[[Tensor], Any]]:
+        index, ids = next(data_iterator)
+        ids = ids.to(device)
+        rows, width = ids.shape
+        position_ids = torch.arange(width, device=device).unsqueeze(0).expand(rows, width)
+        # Non-first stages ignore input_ids and take the activations Megatron set as their input.
+        output = stage(input_ids=ids, position_ids=position_ids,
+                       attention_mask=causal_attention_mask(width, device=device))
+        return output, partial(loss_func, index)
+
+    schedule = get_forward_backward_func()
+    first = input_ids[0]
+    with cuda_to_cpu():
+        schedule(forward_step_func=forward_step, data_iterator=iter(enumerate(input_ids)), model=[model],
+                 num_microbatches=len(input_ids), seq_length=int(first.shape[1]),
+                 micro_batch_size=int(first.shape[0]), forward_only=forward_only)
+
+
+__all__ = ["LossHook", "configure_schedule", "run_microbatches"]
