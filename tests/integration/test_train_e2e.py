@@ -4,7 +4,9 @@
   MlflowClient (metrics per step, the resolved config as params and artifact, review artifacts, tags);
 - exact resume: 4 steps straight equals 2 steps + `run.resume=true` + 2 steps (same rollouts, losses
   within 1e-5, same MLflow run and step numbers);
-- a 2-process torchrun job (TP=2) whose first step equals the one-process run;
+- 2-process torchrun jobs (TP=2, DP=2) whose first step equals the one-process run, and PP=2 (Megatron's
+  pipeline schedule) on a tied-embedding Llama whose first two steps do, in decoupled mode and in bypass
+  mode with a rejection by the current policy (the gradients divided by the count after the loss pass);
 - failures: a bad override, a missing dataset, an unreachable tracking server and a vLLM engine that
   cannot start exit non-zero with a clear message, and what was logged before the failure is kept.
 """
@@ -227,3 +229,33 @@ def test_engine_failure_fails_clearly_and_keeps_the_logged_config(tmp_path: Path
     runs = client.search_runs([client.get_experiment_by_name("nemo_rollout_correction").experiment_id])
     assert runs and runs[0].info.status == "FAILED"
     assert runs[0].data.params["rollout.max_model_len"] == "100000"
+
+
+@pytest.fixture(scope="module")
+def tied_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from nemo_rollout_correction.models.sources import TINY_LLAMA_BUILTIN, tiny_llama_dir
+
+    params = {**TINY_LLAMA_BUILTIN, "tie_word_embeddings": True}
+    return tiny_llama_dir(tmp_path_factory.mktemp("tied") / "tiny", **params)
+
+
+@pytest.mark.parametrize("preset", ["token_tis", "bypass_ppo_clip_k3_rs"])
+def test_torchrun_pipeline_parallel_matches_one_process(tied_tiny: Path, tmp_path: Path, preset: str) -> None:
+    torchrun_exe = Path(sys.executable).with_name("torchrun")
+    if not torchrun_exe.exists() and shutil.which("torchrun") is None:
+        pytest.skip("torchrun not found")
+    torchrun = [str(torchrun_exe), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"]
+    # Two steps: step 2's rollouts come from the refit weights (gathered from both stages), and its
+    # mismatch metrics compare them with the trainer's, so a stage missing from the refit would show.
+    args = [*ONE_STEP, "run.num_steps=2", f"model.source={tied_tiny}", f"rollout_correction={preset}"]
+    _ok(nrc([*args, f"run.output_dir={tmp_path / 'one'}"], tmp_path))
+    _ok(nrc([*args, f"run.output_dir={tmp_path / 'pp2'}", "parallelism=pp2"], tmp_path, launcher=torchrun))
+    one, pp2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "pp2")
+    assert len(one) == len(pp2) == 2
+    for a, b in zip(one, pp2, strict=True):
+        assert a["perf/num_generated_tokens"] == b["perf/num_generated_tokens"]
+        assert a["reward/mean"] == b["reward/mean"]
+        for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/num_kept_tokens",
+                    "loss/grad_norm", "loss/pg_clipfrac"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert abs(pp2[1]["rollout_corr/kl"]) < 1e-4, "after the refit the engine and the trainer agree"
