@@ -34,6 +34,7 @@ from torch import Tensor
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.reduce import all_gather_flat
+from nemo_rollout_correction.distributed.tensor_gather import all_gather_list
 
 CpLayout = Literal["load_balanced", "contiguous"]
 CP_LAYOUTS: tuple[str, ...] = get_args(CpLayout)
@@ -41,10 +42,13 @@ CP_LAYOUTS: tuple[str, ...] = get_args(CpLayout)
 __all__ = [
     "CP_LAYOUTS",
     "CpLayout",
+    "CpNextTokenBatch",
     "GatheredSequences",
     "PackedSequences",
     "cp_token_indices",
+    "gather_cp_tokens",
     "gather_sequence_partials",
+    "shard_next_token_batch",
     "shard_sequence",
     "thd_token_indices",
     "unshard_sequence",
@@ -103,6 +107,59 @@ def unshard_sequence(shards: Sequence[Tensor], layout: CpLayout = "load_balanced
         pieces[rank] = shard.narrow(dim, 0, chunk)
         pieces[2 * cp_size - 1 - rank] = shard.narrow(dim, chunk, chunk)
     return torch.cat([p for p in pieces if p is not None], dim=dim)
+
+
+@dataclass(frozen=True)
+class CpNextTokenBatch:
+    """This CP rank's share of a next-token batch (Megatron's load-balanced layout).
+
+    All `[rows, padded // cp]`: `input_ids` for the model, `labels` (the next token of every held
+    position; pad past the end), `position_ids` `[padded // cp]` (global positions, ascending), and every
+    per-token tensor given, cut the same way. `padded` is the width rounded up to a multiple of 2 * cp.
+    """
+
+    input_ids: Tensor
+    labels: Tensor
+    position_ids: Tensor
+    tokens: dict[str, Tensor]
+    padded: int
+
+
+def shard_next_token_batch(input_ids: Tensor, tokens: Mapping[str, Tensor], cp_size: int, cp_rank: int, *,
+                           pad_id: int, fill: Mapping[str, float | bool] | None = None) -> CpNextTokenBatch:
+    """Cut a right-padded `[rows, width]` batch and its `[rows, width - 1]` next-token tensors for one CP rank.
+
+    Position t of a next-token tensor belongs to input position t (the logits there predict token
+    t + 1), so both are padded to the same length and cut with the same indices; the labels are cut
+    from the full sequence BEFORE sharding, because a chunk's last label is the next chunk's first
+    input. Padding gets `pad_id` (inputs, labels) and `fill[name]` (default 0 / False) for tokens.
+    """
+    rows, width = input_ids.shape
+    padded = -(-width // (2 * cp_size)) * 2 * cp_size
+    index = cp_token_indices(padded, cp_size, cp_rank, device=input_ids.device)
+    full = torch.full((rows, padded), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    full[:, :width] = input_ids
+    labels = torch.full_like(full, pad_id)
+    labels[:, : width - 1] = input_ids[:, 1:]
+    local: dict[str, Tensor] = {}
+    for name, x in tokens.items():
+        if x.shape != (rows, width - 1):
+            raise ValueError(f"{name}: shape {tuple(x.shape)} != (rows, width - 1) = {(rows, width - 1)}")
+        value = (fill or {}).get(name, False if x.dtype == torch.bool else 0.0)
+        padded_x = torch.full((rows, padded), value, dtype=x.dtype, device=x.device)
+        padded_x[:, : width - 1] = x
+        local[name] = padded_x[:, index]
+    return CpNextTokenBatch(full[:, index], labels[:, index], index, local, padded)
+
+
+def gather_cp_tokens(x: Tensor, groups: ParallelGroups, layout: CpLayout = "load_balanced") -> Tensor:
+    """The full `[rows, seq]` tensor from every CP rank's `[rows, seq // cp]` share (one all-gather).
+
+    Every rank of the CP group must call it; all get the same result. Identity for cp = 1.
+    """
+    if groups.cp_size == 1:
+        return x
+    return unshard_sequence(all_gather_list(x, groups.cp_group), layout=layout, dim=-1)
 
 
 @dataclass(frozen=True)

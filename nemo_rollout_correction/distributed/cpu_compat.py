@@ -4,8 +4,9 @@ Megatron-Core calls `torch.cuda.current_device()` in several helpers (rotary emb
 tensor-parallel utilities, parallel-state set-up) and uses the result as a `device=`; on CPU
 `patch_cuda_for_cpu` makes it return `"cpu"` and `torch.cuda.synchronize()` a no-op (the pipeline
 p2p code calls it after every exchange). Megatron's pipeline schedules also create tensors with a
-literal `device="cuda"` and its tied-embedding set-up calls `Tensor.cuda()`; `cuda_to_cpu()` is a
-torch-function mode that sends both to the CPU while Megatron code runs. Lives in the distributed layer
+literal `device="cuda"`, its tied-embedding set-up calls `Tensor.cuda()` and its context-parallel
+rotary embedding pins memory; `cuda_to_cpu()` is a torch-function mode that keeps all of it on the
+CPU while Megatron code runs. Lives in the distributed layer
 because process-group set-up (`runtime.init_runtime`) needs it before any model exists;
 `models.megatron_cpu` re-exports it.
 """
@@ -49,7 +50,7 @@ def _is_cuda(device: Any) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrite `device="cuda..."` to the CPU and make `Tensor.cuda()` the identity."""
+    """Rewrite `device="cuda..."` to the CPU, drop `pin_memory=True` and make `Tensor.cuda()` the identity."""
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -58,6 +59,8 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # staging for a host-to-GPU copy; nothing to pin without CUDA
+            kwargs["pin_memory"] = False
         return func(*args, **kwargs)
 
 

@@ -1,5 +1,8 @@
 """Gather tensor-parallel parameter shards into the full tensor (weight refit and export).
 
+Also the differentiable all-gather of the CPU context-parallel attention (`all_gather_with_grad`:
+every CP rank's keys and values) and `all_gather_list` (the trainer's review of CP-sharded tokens).
+
 Megatron-Core splits a TP-sharded parameter into equal contiguous chunks along its partition
 dimension, chunk `r` on TP rank `r`. Refitting the rollout engine or exporting a Hugging Face
 checkpoint needs the full tensor: one all-gather per parameter over the TP group. Kept here because
@@ -7,6 +10,8 @@ torch.distributed belongs to this layer only (DESIGN.md, "Layers").
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +46,42 @@ def gather_along_dim(shard: Tensor, dim: int, group: ProcessGroup | None) -> Ten
     return torch.cat(chunks, dim=dim)
 
 
+class _AllGatherWithGrad(torch.autograd.Function):
+    """All-gather along `dim` whose backward hands each rank the summed gradient of its own chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        ctx.rank, ctx.size = group_rank(group), group_size(group)
+        return gather_along_dim(shard, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        # Every rank used every chunk: the gradient of chunk r is the sum over ranks of their grad
+        # slice r (a reduce-scatter; gloo has none, so all-reduce and keep the own slice).
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+def all_gather_with_grad(shard: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """`gather_along_dim` that backpropagates: the gradient of the full tensor flows to each shard's owner."""
+    if group_size(group) == 1:
+        return shard
+    out: Tensor = _AllGatherWithGrad.apply(shard, dim, group)  # type: ignore[no-untyped-call]
+    return out
+
+
+def all_gather_list(shard: Tensor, group: ProcessGroup | None) -> list[Tensor]:
+    """Every rank's `shard` (same shape everywhere), in rank order; `[shard]` for one rank."""
+    size = group_size(group)
+    if size == 1:
+        return [shard]
+    chunks = [torch.empty_like(shard) for _ in range(size)]
+    dist.all_gather(chunks, shard.contiguous(), group=group)
+    return chunks
+
+
 def broadcast_object(obj: object, src: int, group: ProcessGroup | None = None) -> object:
     """Broadcast a picklable object from global rank `src` (identity without torch.distributed)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -50,4 +91,5 @@ def broadcast_object(obj: object, src: int, group: ProcessGroup | None = None) -
     return box[0]
 
 
-__all__ = ["broadcast_object", "gather_along_dim", "group_rank", "group_size"]
+__all__ = ["all_gather_list", "all_gather_with_grad", "broadcast_object", "gather_along_dim", "group_rank",
+           "group_size"]

@@ -153,7 +153,8 @@ def load_hf_state_dict(hf_dir: str | Path) -> dict[str, Tensor]:
 
 
 def transformer_config(arch: LlamaArch, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                       params_dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+                       context_parallel_size: int = 1, params_dtype: torch.dtype = torch.float32,
+                       **overrides: Any) -> Any:
     """A Megatron-Core `TransformerConfig` equivalent to `arch` (no dropout, fp32 softmax and residuals)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -177,6 +178,7 @@ def transformer_config(arch: LlamaArch, *, tensor_parallel_size: int = 1, pipeli
         "add_qkv_bias": arch.qkv_bias,
         "tensor_model_parallel_size": tensor_parallel_size,
         "pipeline_model_parallel_size": pipeline_parallel_size,
+        "context_parallel_size": context_parallel_size,
         "params_dtype": params_dtype,
         "pipeline_dtype": params_dtype,  # dtype of the activations sent between pipeline stages (required for PP > 1)
         "bf16": params_dtype == torch.bfloat16,
@@ -214,6 +216,8 @@ def build_gpt_model(arch: LlamaArch, config: Any, *, pre_process: bool = True, p
     `megatron.core.parallel_state` must be initialised with the TP/PP sizes of `config`. The local layer
     spec runs on CPU; the Transformer Engine spec is used on GPU when TE imports (None = auto).
     With `parallel_output=True` the logits stay vocab-sharded: `[batch, seq, vocab / tp]`.
+    With context parallelism (`config.context_parallel_size > 1`) the local spec's core attention is
+    `models.cp_attention.AllGatherContextParallelAttention` (TE brings its own CP attention).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -226,6 +230,10 @@ def build_gpt_model(arch: LlamaArch, config: Any, *, pre_process: bool = True, p
         layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
     else:
         layer_spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        if config.context_parallel_size > 1:
+            from nemo_rollout_correction.models.cp_attention import AllGatherContextParallelAttention
+
+            layer_spec.submodules.self_attention.submodules.core_attention = AllGatherContextParallelAttention
     model: nn.Module = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings, pre_process=pre_process, post_process=post_process,

@@ -88,9 +88,11 @@ class MegatronPolicy:
         arch = read_arch(hf_dir)
         tp = ps.get_tensor_model_parallel_world_size()
         pp = ps.get_pipeline_model_parallel_world_size()
+        cp = ps.get_context_parallel_world_size()
         dtype = parse_dtype(params_dtype)
         seed_model_parallel(seed)
-        config = transformer_config(arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, params_dtype=dtype)
+        config = transformer_config(arch, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                    context_parallel_size=cp, params_dtype=dtype)
         last = bool(ps.is_pipeline_last_stage())
         # With PP > 1 and tied embeddings Megatron syncs the last stage's embedding copy at construction,
         # via Tensor.cuda(): the CPU mode keeps it on the CPU.
@@ -130,22 +132,38 @@ class MegatronPolicy:
         return self.logprobs_from_logits(self.logits(input_ids), input_ids, temperature=temperature, top_k=top_k,
                                          top_p=top_p)
 
-    @torch.no_grad()
-    def score_microbatches(self, input_ids: list[Tensor], *, temperature: float = 1.0, top_k: int | None = None,
-                           top_p: float | None = None) -> list[Tensor] | None:
-        """No-grad `[rows, width - 1]` logprobs per microbatch through Megatron's schedule (any PP size).
+    def label_logprobs(self, logits: Tensor, labels: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                       top_p: float | None = None) -> Tensor:
+        """`[batch, seq]` float32: logprob of `labels[:, t]` under the logits at position t (no shift).
 
-        Every stage of a pipeline must call it with the same microbatches; the last stage gets the
-        list (as `token_logprobs` would compute it), the other stages None.
+        The context-parallel form: a CP rank's logits cover scattered positions, so the next-token
+        labels are cut out of the full sequence beforehand, with the same indices as the inputs.
+        """
+        return vocab_parallel_logprobs(logits, labels.to(logits.device), self.tp_group, temperature=temperature,
+                                       top_k=top_k, top_p=top_p)
+
+    @torch.no_grad()
+    def score_microbatches(self, input_ids: list[Tensor], *, labels: list[Tensor] | None = None,
+                           position_ids: list[Tensor] | None = None, temperature: float = 1.0,
+                           top_k: int | None = None, top_p: float | None = None) -> list[Tensor] | None:
+        """No-grad logprobs per microbatch through Megatron's schedule (any TP/PP/CP layout).
+
+        Without `labels`: `[rows, width - 1]`, as `token_logprobs` computes them. With `labels` (context
+        parallelism: this CP rank's next-token ids, `[rows, width]`, and their `position_ids`):
+        `[rows, width]` from `label_logprobs`. Every stage of a pipeline must call it with the same
+        microbatches; the last stage gets the list, the other stages None.
         """
         out: list[Tensor] = []
 
         def hook(index: int, logits: Tensor) -> Tensor:
-            out.append(self.logprobs_from_logits(logits, input_ids[index], temperature=temperature, top_k=top_k,
-                                                 top_p=top_p))
+            options = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+            if labels is None:
+                out.append(self.logprobs_from_logits(logits, input_ids[index], **options))  # type: ignore[arg-type]
+            else:
+                out.append(self.label_logprobs(logits, labels[index], **options))  # type: ignore[arg-type]
             return logits.new_zeros(())
 
-        run_microbatches(self.model, input_ids, hook, forward_only=True)
+        run_microbatches(self.model, input_ids, hook, forward_only=True, position_ids=position_ids)
         return out if self.is_last_stage else None
 
     def hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:

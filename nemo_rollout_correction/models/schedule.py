@@ -42,11 +42,14 @@ def configure_schedule(model: nn.Module) -> None:
 
 
 def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: LossHook, *,
-                     forward_only: bool) -> None:
+                     forward_only: bool, position_ids: Sequence[Tensor] | None = None) -> None:
     """Forward (and unless `forward_only`, backward) every microbatch through Megatron's schedule.
 
     input_ids: one right-padded `[rows, width]` tensor per microbatch; every stage of a pipeline must
         pass the same list (the schedule sends activations by position). Widths may differ.
+    position_ids: with context parallelism, each microbatch's `[width]` global positions of this CP
+        rank's tokens (`distributed.context_parallel.cp_token_indices`); None means `0..width-1`.
+        Under CP the attention builds its own causal mask (from Megatron's CP layout), so none is passed.
     loss_hook: called on the last pipeline stage with each microbatch's logits; its scalar is
         backpropagated as is (no rescaling). For `forward_only` passes return any scalar, e.g. zero.
     Gradients accumulate into `.grad` (the caller zeroes and reduces them).
@@ -57,6 +60,8 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
     if not input_ids:
         return
     device = next(model.parameters()).device
+    context_parallel = int(getattr(model.config, "context_parallel_size", 1)) > 1
+    positions = list(position_ids) if position_ids is not None else None
 
     def loss_func(index: int, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
         loss = loss_hook(index, logits)
@@ -67,10 +72,10 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
         index, ids = next(data_iterator)
         ids = ids.to(device)
         rows, width = ids.shape
-        position_ids = torch.arange(width, device=device).unsqueeze(0).expand(rows, width)
+        pos = positions[index].to(device) if positions is not None else torch.arange(width, device=device)
+        mask = None if context_parallel else causal_attention_mask(width, device=device)
         # Non-first stages ignore input_ids and take the activations Megatron set as their input.
-        output = stage(input_ids=ids, position_ids=position_ids,
-                       attention_mask=causal_attention_mask(width, device=device))
+        output = stage(input_ids=ids, position_ids=pos.unsqueeze(0).expand(rows, width), attention_mask=mask)
         return output, partial(loss_func, index)
 
     schedule = get_forward_backward_func()

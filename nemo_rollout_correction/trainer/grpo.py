@@ -20,7 +20,10 @@ Every forward/backward goes through Megatron's schedule (`models.schedule.run_mi
 pipeline parallelism the logits, and so the logprobs, the correction, the loss and the metrics, exist
 on the last stage only. The last stage sends its step metrics (and the review) to stage 0, where the
 logging rank is; gradients of a tied embedding are summed over the first and last stage; the refit
-gathers every stage's weights to stage 0, where the engine is.
+gathers every stage's weights to stage 0, where the engine is. With context parallelism every
+microbatch is cut along the tokens in Megatron's load-balanced layout (`shard_next_token_batch`: the
+next-token labels are cut from the full sequence first); the correction completes sequence statistics
+over CP and the gradients are summed over dp x cp.
 
 Timings of each phase, throughput and every metric are reported to the observer; checkpoints hold
 everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state).
@@ -46,6 +49,7 @@ from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.advantages import grpo_advantages
 from nemo_rollout_correction.core.kl_penalty import kl_penalty
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
+from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens, shard_next_token_batch
 from nemo_rollout_correction.distributed.correction import reduce_step_metrics
 from nemo_rollout_correction.distributed.pipeline import (
     broadcast_from_last_stage,
@@ -90,13 +94,19 @@ _STEP_SEED_STRIDE = 100_003
 
 @dataclass
 class Microbatch:
-    """One microbatch of this dp rank, cut to its longest row. All `[rows, width - 1]` unless noted."""
+    """One microbatch of this dp rank, cut to its longest row. All `[rows, width - 1]` unless noted.
+
+    With context parallelism the token tensors are this CP rank's share, `[rows, padded // cp]`, and
+    `labels` / `position_ids` are set (see `distributed.context_parallel.shard_next_token_batch`).
+    """
 
     input_ids: Tensor  # [rows, width]
     rollout_logprobs: Tensor
     loss_mask: Tensor
     advantages: Tensor  # [rows]
     rows: Tensor  # [rows] indices into the step's samples
+    labels: Tensor | None = None  # CP: [rows, padded // cp] next-token ids of the held positions
+    position_ids: Tensor | None = None  # CP: [padded // cp] global positions of the held tokens
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     train_logprobs: Tensor | None = None  # the loss pass's logprobs (pre-update policy), detached
@@ -126,12 +136,6 @@ class GrpoTrainer:
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         cfg.check_world_size(runtime.world_size, source=f"torch.distributed world size {runtime.world_size}")
-        if runtime.context_parallel_size > 1:
-            raise ValueError(
-                "policy.context_parallel_size > 1 is not supported by the trainer: Megatron's context-parallel "
-                "attention needs Transformer Engine (GPU); tensor, pipeline and data parallelism are "
-                "(docs/training.md)"
-            )
         self.rc_cfg = cfg.to_rollout_correction_config()
         self.loss_fn = RolloutCorrectedPolicyLoss(
             self.rc_cfg,
@@ -176,7 +180,7 @@ class GrpoTrainer:
         self.log(
             f"[nrc train] Megatron policy ({self.policy.arch.architecture}, {sum(p.numel() for p in self.params):,} "
             f"parameters on this rank, TP={runtime.tensor_parallel_size}, PP={runtime.pipeline_parallel_size}, "
-            f"DP={runtime.data_parallel_size}) "
+            f"CP={runtime.context_parallel_size}, DP={runtime.data_parallel_size}) "
             f"built in {time.perf_counter() - start:.1f} s"
         )
 
@@ -279,20 +283,40 @@ class GrpoTrainer:
             idx = rows[start : start + size]
             lengths = tensors["prompt_lengths"][idx] + tensors["response_lengths"][idx]
             width = int(lengths.max())
-            out.append(
-                Microbatch(
-                    input_ids=tensors["input_ids"][idx, :width],
-                    rollout_logprobs=tensors["rollout_logprobs"][idx, : width - 1],
-                    loss_mask=tensors["loss_mask"][idx, : width - 1],
-                    advantages=advantages[idx],
-                    rows=idx,
-                )
+            mb = Microbatch(
+                input_ids=tensors["input_ids"][idx, :width],
+                rollout_logprobs=tensors["rollout_logprobs"][idx, : width - 1],
+                loss_mask=tensors["loss_mask"][idx, : width - 1],
+                advantages=advantages[idx],
+                rows=idx,
             )
+            if self.groups.cp_size > 1:  # this CP rank's tokens of every row
+                shard = shard_next_token_batch(
+                    mb.input_ids,
+                    {"rollout_logprobs": mb.rollout_logprobs, "loss_mask": mb.loss_mask},
+                    self.groups.cp_size,
+                    self.groups.cp_rank,
+                    pad_id=self.pad_id,
+                )
+                mb.input_ids, mb.labels, mb.position_ids = shard.input_ids, shard.labels, shard.position_ids
+                mb.rollout_logprobs, mb.loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
+            out.append(mb)
         return out
 
     def _score(self, policy: MegatronPolicy, microbatches: list[Microbatch]) -> list[Tensor] | None:
         """No-grad logprobs of every microbatch (last pipeline stage; None on the others)."""
-        return policy.score_microbatches([mb.input_ids for mb in microbatches], **self.replay)
+        ids = [mb.input_ids for mb in microbatches]
+        if self.groups.cp_size == 1:
+            return policy.score_microbatches(ids, **self.replay)
+        labels = [mb.labels for mb in microbatches if mb.labels is not None]
+        positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
+        return policy.score_microbatches(ids, labels=labels, position_ids=positions, **self.replay)
+
+    def _logprobs(self, logits: Tensor, mb: Microbatch) -> Tensor:
+        """The loss pass's logprobs of `mb` from its logits (next-token shift, or CP labels)."""
+        if mb.labels is None:
+            return self.policy.logprobs_from_logits(logits, mb.input_ids, **self.replay)
+        return self.policy.label_logprobs(logits, mb.labels, **self.replay)
 
     def step(self) -> dict[str, float]:
         """Run one GRPO step; returns the step's metrics (identical keys on every rank)."""
@@ -335,7 +359,7 @@ class GrpoTrainer:
 
         def loss_hook(i: int, logits: Tensor) -> Tensor:  # last stage: one microbatch's loss
             mb = microbatches[i]
-            logprobs = self.policy.logprobs_from_logits(logits, mb.input_ids, **self.replay)
+            logprobs = self._logprobs(logits, mb)
             mb.train_logprobs = logprobs.detach()
             out = self.loss_fn(
                 logprobs,
@@ -364,7 +388,9 @@ class GrpoTrainer:
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss
 
-        run_microbatches(self.policy.model, [mb.input_ids for mb in microbatches], loss_hook, forward_only=False)
+        positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
+        run_microbatches(self.policy.model, [mb.input_ids for mb in microbatches], loss_hook, forward_only=False,
+                         position_ids=positions or None)
         if self.post_scaled:
             count = all_reduce_sums({"n": sums["num_denominator"]}, self.groups)["n"] if last else 0.0
             count = float(broadcast_from_last_stage(count, self.groups))  # every stage scales its gradients
@@ -388,10 +414,12 @@ class GrpoTrainer:
             for key in ("pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum"):
                 sums.setdefault(key, 0.0)
             reduced = all_reduce_sums(sums, self.groups)
-            # The review covers the logging pipeline's rows (dp/cp rank 0); with PP it travels to stage 0
-            # every step (small), without PP it is built only when the observer asks for one.
-            reviewer = self.groups.dp_cp_rank == 0 and self.groups.tp_rank == 0
-            wanted = self.groups.pp_size > 1 or self.observer.wants_review(self.step_index + 1)
+            # The review covers the logging rank's rows (dp rank 0; every CP rank joins to gather its tokens).
+            # With PP or CP it is built every step (small; the other ranks cannot see the observer),
+            # otherwise only when the observer asks for one.
+            reviewer = self.groups.dp_rank == 0 and self.groups.tp_rank == 0
+            wanted = (self.groups.pp_size > 1 or self.groups.cp_size > 1
+                      or self.observer.wants_review(self.step_index + 1))
             if reviewer and wanted:
                 review = self._review(batch, microbatches, corrections, reward_t, records)
         reduced, rc_metrics, review = broadcast_from_last_stage((reduced, rc_metrics, review), self.groups)
@@ -518,15 +546,17 @@ class GrpoTrainer:
             log_ratio = torch.nan_to_num(log_ratio, nan=0.0, posinf=0.0, neginf=0.0)
             keep = corrections[i].keep_mask if corrections is not None else mb.loss_mask
             weights = corrections[i].is_weights if corrections is not None else torch.ones_like(reference)
+            mask = mb.loss_mask
+            if self.groups.cp_size > 1:  # whole sequences from every CP rank's share
+                log_ratio, keep, weights, mask = (gather_cp_tokens(x, self.groups)
+                                                  for x in (log_ratio, keep, weights, mask))
             raw.append(log_ratio.clamp(-20, 20).exp()[keep])
             applied.append(weights[keep])
             seq_lr.append(log_ratio.sum(-1))
             seq_max.append(log_ratio.abs().amax(-1) if log_ratio.numel() else torch.zeros(len(mb.rows)))
-            seq_kl.append(
-                ((log_ratio.exp() - 1) - log_ratio).mul(mb.loss_mask).sum(-1) / mb.loss_mask.sum(-1).clamp(min=1)
-            )
+            seq_kl.append(((log_ratio.exp() - 1) - log_ratio).mul(mask).sum(-1) / mask.sum(-1).clamp(min=1))
             seq_w.append(seq_lr[-1].clamp(-20, 20).exp())
-            lengths.append(mb.loss_mask.sum(-1))
+            lengths.append(mask.sum(-1))
             kept.append(keep.any(-1))
             rows.append(mb.rows)
         idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)

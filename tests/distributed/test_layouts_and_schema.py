@@ -100,6 +100,10 @@ def test_parallel_groups_validation() -> None:
         ParallelGroups(cp_size=2, cp_rank=1, dp_cp_rank=1)
     with pytest.raises(ValueError, match="dp_rank=2"):
         ParallelGroups(dp_rank=2, dp_size=2)
+    with pytest.raises(ValueError, match="pp_group is None"):
+        ParallelGroups(pp_size=2, pp_rank=1)
+    with pytest.raises(ValueError, match="is_last_pipeline_stage=True contradicts pp_rank=0"):
+        ParallelGroups(pp_size=2, pp_rank=0, pp_group=object())  # type: ignore[arg-type]
 
 
 # ---- reduction schema and the fused reduction --------------------------------------------------

@@ -1,11 +1,15 @@
 """Gloo worker of `test_pipeline`: one training pass of a Hugging Face Llama through Megatron's schedule.
 
-Each rank initialises Megatron's parallel state (TP x PP from the arguments), builds its stage with
-`MegatronPolicy.from_hf`, scores the microbatches without gradient (`score_microbatches`), runs one
-forward/backward pass with a logprob-weighted loss (`run_microbatches`), syncs a tied embedding's two
-copies, measures the global gradient norm, and gathers the Hugging Face weights to stage 0 the way the
-trainer's refit does. Gradients are returned under global (stage-independent) names so a PP = 1 run
-is the reference.
+Each rank initialises Megatron's parallel state (TP x CP x PP from the arguments), builds its stage
+with `MegatronPolicy.from_hf`, scores the microbatches without gradient (`score_microbatches`), runs one
+forward/backward pass with a logprob-weighted loss (`run_microbatches`), sums gradients over CP (each CP
+rank holds part of every sequence's tokens), syncs a tied embedding's two copies, measures the global
+gradient norm, and gathers the Hugging Face weights to stage 0 the way the trainer's refit does.
+
+With CP > 1 every microbatch is padded to a multiple of 2 * cp and cut in Megatron's load-balanced
+layout; the next-token labels are cut from the full sequence with the same indices, and the scores
+are returned with their global positions so the test can reassemble them. Gradients are returned under
+global (stage-independent) names so a one-rank run is the reference.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import re
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 def _global_name(model: Any, name: str) -> str:
@@ -24,47 +29,76 @@ def _global_name(model: Any, name: str) -> str:
     return f"decoder.layers.{layer}.{match.group(2)}"
 
 
-def worker(rank: int, world_size: int, hf_dir: str, microbatches: list[torch.Tensor], tp: int) -> dict[str, Any]:
+def worker(rank: int, world_size: int, hf_dir: str, microbatches: list[torch.Tensor], tp: int,
+           cp: int = 1) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
+    from nemo_rollout_correction.distributed.context_parallel import cp_token_indices
     from nemo_rollout_correction.distributed.groups import ParallelGroups
     from nemo_rollout_correction.distributed.pipeline import (
         broadcast_from_last_stage,
         gather_weights_to_first_stage,
         sync_tied_embedding_grads,
     )
-    from nemo_rollout_correction.distributed.runtime import clip_grad_norm
+    from nemo_rollout_correction.distributed.runtime import all_reduce_gradients, clip_grad_norm
     from nemo_rollout_correction.models.megatron_cpu import patch_cuda_for_cpu
     from nemo_rollout_correction.models.policy import MegatronPolicy
     from nemo_rollout_correction.models.schedule import run_microbatches
 
     patch_cuda_for_cpu()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=world_size // tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 pipeline_model_parallel_size=world_size // (tp * cp))
     try:
         groups = ParallelGroups.from_megatron()
         policy = MegatronPolicy.from_hf(hf_dir)
-        scored = policy.score_microbatches(microbatches, temperature=0.7, top_k=50)
+        # Per microbatch: inputs, labels (CP only), positions, and the loss weight of each label position.
+        inputs, labels, positions, weights = [], [], [], []
+        for ids in microbatches:
+            width = ids.shape[1]
+            weight = torch.linspace(-1.0, 1.0, width - 1)  # a loss whose gradient is not trivial
+            if cp == 1:
+                inputs.append(ids)
+                positions.append(torch.arange(width))
+                weights.append(weight)
+                continue
+            padded = -(-width // (2 * cp)) * 2 * cp
+            full = F.pad(ids, (0, padded - width))
+            next_ids = F.pad(ids[:, 1:], (0, padded - width + 1))
+            index = cp_token_indices(padded, cp, groups.cp_rank)
+            inputs.append(full[:, index])
+            labels.append(next_ids[:, index])
+            positions.append(index)
+            weights.append(F.pad(weight, (0, padded - width + 1))[index])  # padding: weight 0
+        label_list = labels if cp > 1 else None
+        scored = policy.score_microbatches(inputs, labels=label_list, position_ids=positions if cp > 1 else None,
+                                           temperature=0.7, top_k=50)
         assert (scored is None) != policy.is_last_stage
 
         def loss(index: int, logits: torch.Tensor) -> torch.Tensor:
-            logprobs = policy.logprobs_from_logits(logits, microbatches[index])
-            weights = torch.linspace(-1.0, 1.0, logprobs.shape[-1])  # a loss whose gradient is not trivial
-            return (logprobs * weights).sum() / 100.0
+            if label_list is None:
+                logprobs = policy.logprobs_from_logits(logits, inputs[index])
+            else:
+                logprobs = policy.label_logprobs(logits, label_list[index])
+            return (logprobs * weights[index]).sum() / 100.0
 
-        run_microbatches(policy.model, microbatches, loss, forward_only=False)
+        run_microbatches(policy.model, inputs, loss, forward_only=False,
+                         position_ids=positions if cp > 1 else None)
+        params = [p for p in policy.model.parameters() if p.requires_grad]
+        all_reduce_gradients(params, groups)  # CP ranks hold partial gradients (their tokens' terms)
         sync_tied_embedding_grads(policy.model, groups)
         grads = {_global_name(policy.model, name): param.grad.detach().clone()
                  for name, param in policy.model.named_parameters() if param.grad is not None}
-        norm = clip_grad_norm(list(policy.model.parameters()), 0.0, groups)
-        weights = policy.hf_weights()  # every TP rank iterates (all-gathers); TP rank 0 sends its stage on
-        if groups.tp_rank == 0:
-            exported = {name: tensor.clone() for name, tensor in gather_weights_to_first_stage(weights, groups)}
+        norm = clip_grad_norm(params, 0.0, groups)
+        weights_iter = policy.hf_weights()  # every TP rank iterates (all-gathers); TP rank 0 sends its stage on
+        exported: dict[str, torch.Tensor] = {}
+        if groups.tp_rank == 0 and groups.cp_rank == 0:
+            exported = {name: t.clone() for name, t in gather_weights_to_first_stage(weights_iter, groups)}
         else:
-            exported = {}
-            for _ in weights:
+            for _ in weights_iter:
                 pass
         return {
-            "pp_rank": groups.pp_rank, "tp_rank": groups.tp_rank, "last": policy.is_last_stage,
+            "pp_rank": groups.pp_rank, "tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank,
+            "last": policy.is_last_stage, "positions": positions,
             "scored": broadcast_from_last_stage(scored, groups), "grads": grads, "grad_norm": norm,
             "exported": exported,
         }

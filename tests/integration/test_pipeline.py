@@ -1,8 +1,10 @@
-"""Pipeline parallelism on CPU: Megatron's 1F1B schedule over gloo equals the one-stage run.
+"""Pipeline and context parallelism on CPU: Megatron's schedules over gloo equal the one-rank run.
 
-The reference is the same worker at PP = 1 (Megatron's no-pipelining schedule). With PP = 2, and
-PP = 2 x TP = 2, on tied and untied Llamas:
-- the no-grad logprobs of every microbatch (vLLM's temperature/top-k replayed) are identical;
+The reference is the same worker on one rank (Megatron's no-pipelining schedule). With PP = 2,
+PP = 2 x TP = 2, CP = 2 (the all-gather CP attention of `models.cp_attention`, Megatron's load-balanced
+token layout) and CP = 2 x PP = 2, on tied and untied Llamas:
+- the no-grad logprobs of every microbatch (vLLM's temperature/top-k replayed) are identical (CP ranks'
+  pieces reassembled by their global positions);
 - every parameter's gradient equals the reference's under its global name, including both copies of
   a tied embedding after `sync_tied_embedding_grads` (each must hold the full gradient of the matrix);
 - the global gradient norm is the same (stages summed, the tied copy counted once);
@@ -37,22 +39,54 @@ def _microbatches() -> list[torch.Tensor]:
     return [torch.randint(0, 500, (rows, width), generator=generator) for rows, width in ((3, 11), (2, 17), (3, 6))]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def model_and_reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    params = {**TINY_LLAMA_BUILTIN, "num_layers": 4, "tie_word_embeddings": request.param}
-    hf_dir = tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "model", **params)
-    (reference,) = dist_harness.launch(pipeline_worker.worker, 1, str(hf_dir), _microbatches(), 1, timeout=240.0)
-    return hf_dir, reference
+_REFERENCES: dict[bool, Any] = {}
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)], ids=["pp2", "tp2_pp2"])
-def test_pipeline_stages_match_one_stage(model_and_reference: Any, tp: int, pp: int) -> None:
-    hf_dir, reference = model_and_reference
-    ranks = dist_harness.launch(pipeline_worker.worker, tp * pp, str(hf_dir), _microbatches(), tp, timeout=300.0)
-    tied = read_arch(hf_dir).tie_word_embeddings
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+def _model_and_reference(tied: bool, root: Path) -> tuple[Path, Any]:
+    """The tiny Llama (4 layers, GQA 4/2) and its one-rank reference run, built once per session."""
+    if tied not in _REFERENCES:
+        params = {**TINY_LLAMA_BUILTIN, "num_layers": 4, "tie_word_embeddings": tied}
+        hf_dir = tiny_llama_dir(root / ("tied" if tied else "untied"), **params)
+        (reference,) = dist_harness.launch(pipeline_worker.worker, 1, str(hf_dir), _microbatches(), 1,
+                                           timeout=240.0)
+        _REFERENCES[tied] = (hf_dir, reference)
+    return _REFERENCES[tied]
+
+
+def _reassemble(scored: torch.Tensor, positions: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This CP rank's `[rows, local]` scores and the reference's values at the same positions."""
+    keep = positions < want.shape[1]  # the rest are padding positions (no next token)
+    return scored[:, keep], want[:, positions[keep]]
+
+
+# (tied, tp, cp, pp): the tied embedding matters when it is split over stages; the rest are marked slow.
+LAYOUTS = [
+    pytest.param(False, 2, 1, 2, id="untied-tp2_pp2"),
+    pytest.param(False, 1, 2, 1, id="untied-cp2"),
+    pytest.param(True, 1, 1, 2, id="tied-pp2"),
+    pytest.param(True, 1, 2, 2, id="tied-cp2_pp2"),
+    pytest.param(False, 1, 1, 2, id="untied-pp2", marks=pytest.mark.slow),
+    pytest.param(True, 2, 1, 2, id="tied-tp2_pp2", marks=pytest.mark.slow),
+    pytest.param(True, 1, 2, 1, id="tied-cp2", marks=pytest.mark.slow),
+    pytest.param(False, 1, 2, 2, id="untied-cp2_pp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("tied", "tp", "cp", "pp"), LAYOUTS)
+def test_parallel_layouts_match_one_rank(model_root: Path, tied: bool, tp: int, cp: int, pp: int) -> None:
+    hf_dir, reference = _model_and_reference(tied, model_root)
+    ranks = dist_harness.launch(pipeline_worker.worker, tp * cp * pp, str(hf_dir), _microbatches(), tp, cp,
+                                timeout=300.0)
     merged: dict[str, torch.Tensor] = {}
     for result in ranks:
-        for got, want in zip(result["scored"], reference["scored"], strict=True):
+        for i, (got, want) in enumerate(zip(result["scored"], reference["scored"], strict=True)):
+            if cp > 1:
+                got, want = _reassemble(got, result["positions"][i], want)
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
         assert result["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-6)
         for name, grad in result["grads"].items():
@@ -68,11 +102,11 @@ def test_pipeline_stages_match_one_stage(model_and_reference: Any, tp: int, pp: 
                     want = want.chunk(tp, dim=dim)[result["tp_rank"]]
             torch.testing.assert_close(grad, want, atol=1e-6, rtol=1e-5, msg=f"{name} on pp {result['pp_rank']}")
             merged.setdefault(name, grad)
-        if result["pp_rank"] == 0 and result["tp_rank"] == 0:
+        if result["pp_rank"] == 0 and result["tp_rank"] == 0 and result["cp_rank"] == 0:
             assert set(result["exported"]) == expected_hf_names(read_arch(hf_dir))
             for name, tensor in reference["exported"].items():
                 assert torch.equal(result["exported"][name], tensor), name
         else:
             assert result["exported"] == {}
-    if tp == 1:
+    if tp == 1 and cp == 1:
         assert set(merged) == set(reference["grads"]), "every parameter lives on exactly one stage"

@@ -5,8 +5,9 @@
 - exact resume: 4 steps straight equals 2 steps + `run.resume=true` + 2 steps (same rollouts, losses
   within 1e-5, same MLflow run and step numbers);
 - 2-process torchrun jobs (TP=2, DP=2) whose first step equals the one-process run, and PP=2 (Megatron's
-  pipeline schedule) on a tied-embedding Llama whose first two steps do, in decoupled mode and in bypass
-  mode with a rejection by the current policy (the gradients divided by the count after the loss pass);
+  pipeline schedule) and CP=2 (token-sharded sequences) on a tied-embedding Llama whose first two steps
+  do, in decoupled mode and in bypass mode with a rejection by the current policy (the gradients divided
+  by the count after the loss pass);
 - failures: a bad override, a missing dataset, an unreachable tracking server and a vLLM engine that
   cannot start exit non-zero with a clear message, and what was logged before the failure is kept.
 """
@@ -239,23 +240,47 @@ def tied_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama_dir(tmp_path_factory.mktemp("tied") / "tiny", **params)
 
 
-@pytest.mark.parametrize("preset", ["token_tis", "bypass_ppo_clip_k3_rs"])
-def test_torchrun_pipeline_parallel_matches_one_process(tied_tiny: Path, tmp_path: Path, preset: str) -> None:
+_ONE_PROCESS: dict[str, list[dict[str, Any]]] = {}
+
+
+def _one_process_two_steps(args: list[str], preset: str, root: Path) -> list[dict[str, Any]]:
+    """The one-process reference for `preset` (two steps on the tied tiny Llama), run once per session."""
+    if preset not in _ONE_PROCESS:
+        out = root / f"one-{preset}"
+        _ok(nrc([*args, f"run.output_dir={out}"], root))
+        _ONE_PROCESS[preset] = read_metrics(out)
+    return _ONE_PROCESS[preset]
+
+
+# PP: Megatron's 1F1B schedule, the last stage's metrics sent to stage 0, tied-embedding gradient sync;
+# CP: load-balanced token shards, the CPU all-gather CP attention, sequence statistics completed over CP.
+MODEL_PARALLEL = [
+    pytest.param("pp2", "token_tis", id="pp2-decoupled"),
+    pytest.param("cp2", "bypass_ppo_clip_k3_rs", id="cp2-bypass_k3"),
+    pytest.param("pp2", "bypass_ppo_clip_k3_rs", id="pp2-bypass_k3", marks=pytest.mark.slow),
+    pytest.param("cp2", "token_tis", id="cp2-decoupled", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("layout", "preset"), MODEL_PARALLEL)
+def test_torchrun_pipeline_and_context_parallel_match_one_process(
+    tied_tiny: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, layout: str, preset: str
+) -> None:
     torchrun_exe = Path(sys.executable).with_name("torchrun")
     if not torchrun_exe.exists() and shutil.which("torchrun") is None:
         pytest.skip("torchrun not found")
     torchrun = [str(torchrun_exe), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"]
-    # Two steps: step 2's rollouts come from the refit weights (gathered from both stages), and its
+    # Two steps: step 2's rollouts come from the refit weights (gathered from every stage), and its
     # mismatch metrics compare them with the trainer's, so a stage missing from the refit would show.
     args = [*ONE_STEP, "run.num_steps=2", f"model.source={tied_tiny}", f"rollout_correction={preset}"]
-    _ok(nrc([*args, f"run.output_dir={tmp_path / 'one'}"], tmp_path))
-    _ok(nrc([*args, f"run.output_dir={tmp_path / 'pp2'}", "parallelism=pp2"], tmp_path, launcher=torchrun))
-    one, pp2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "pp2")
-    assert len(one) == len(pp2) == 2
-    for a, b in zip(one, pp2, strict=True):
+    one = _one_process_two_steps(args, preset, tmp_path_factory.getbasetemp())
+    _ok(nrc([*args, f"run.output_dir={tmp_path / layout}", f"parallelism={layout}"], tmp_path, launcher=torchrun))
+    parallel = read_metrics(tmp_path / layout)
+    assert len(one) == len(parallel) == 2
+    for a, b in zip(one, parallel, strict=True):
         assert a["perf/num_generated_tokens"] == b["perf/num_generated_tokens"]
         assert a["reward/mean"] == b["reward/mean"]
         for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/num_kept_tokens",
-                    "loss/grad_norm", "loss/pg_clipfrac"):
+                    "loss/grad_norm", "loss/pg_clipfrac", "perf/num_samples"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    assert abs(pp2[1]["rollout_corr/kl"]) < 1e-4, "after the refit the engine and the trainer agree"
+    assert abs(parallel[1]["rollout_corr/kl"]) < 1e-4, "after the refit the engine and the trainer agree"
