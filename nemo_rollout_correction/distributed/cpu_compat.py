@@ -79,4 +79,15 @@ def cuda_to_cpu() -> Iterator[None]:
         yield
 
 
-__all__ = ["cuda_to_cpu", "patch_cuda_for_cpu"]
+@contextlib.contextmanager
+def without_torch_function_modes() -> Iterator[None]:
+    """Suspend `cuda_to_cpu` (and any torch-function mode) inside it: model code that needs no rewriting
+    then runs without the mode's per-call Python overhead. A no-op with CUDA (no mode is ever active)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with torch._C.DisableTorchFunction():  # the documented way modes themselves use to call through
+        yield
+
+
+__all__ = ["cuda_to_cpu", "patch_cuda_for_cpu", "without_torch_function_modes"]

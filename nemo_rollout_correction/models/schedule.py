@@ -19,6 +19,7 @@ How the schedule is configured, and why:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
+from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu, without_torch_function_modes
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask
 
 LossHook = Callable[[int, Tensor], Tensor]
@@ -63,8 +64,15 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
     context_parallel = int(getattr(model.config, "context_parallel_size", 1)) > 1
     positions = list(position_ids) if position_ids is not None else None
 
+    # The CPU mode is needed by the schedule itself, and inside the model only for context parallelism
+    # (Megatron's CP rotary embedding pins and moves memory); elsewhere it is suspended: its per-call
+    # Python overhead is measurable on every op of a forward.
+    def compute() -> Any:
+        return contextlib.nullcontext() if context_parallel else without_torch_function_modes()
+
     def loss_func(index: int, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        loss = loss_hook(index, logits)
+        with compute():
+            loss = loss_hook(index, logits)
         # Megatron sums these into its token counter; unused because no finalize function runs.
         return loss, torch.zeros((), dtype=torch.int, device=loss.device), {}
 
@@ -75,7 +83,8 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
         pos = positions[index].to(device) if positions is not None else torch.arange(width, device=device)
         mask = None if context_parallel else causal_attention_mask(width, device=device)
         # Non-first stages ignore input_ids and take the activations Megatron set as their input.
-        output = stage(input_ids=ids, position_ids=pos.unsqueeze(0).expand(rows, width), attention_mask=mask)
+        with compute():
+            output = stage(input_ids=ids, position_ids=pos.unsqueeze(0).expand(rows, width), attention_mask=mask)
         return output, partial(loss_func, index)
 
     schedule = get_forward_backward_func()

@@ -31,6 +31,9 @@ from torch import Tensor
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import compute_rollout_correction
+from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens, shard_next_token_batch
+from nemo_rollout_correction.distributed.groups import ParallelGroups
+from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
 from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
@@ -111,18 +114,29 @@ def collect(
     seed: int = 0,
     pad_token_id: int = 0,
     micro_batch_size: int = 16,
+    groups: ParallelGroups | None = None,
 ) -> AuditData:
     """Generate on the engine rank (`engine` not None), broadcast, and re-score on every rank.
 
-    Every rank of the job must call this (the TP ranks take part in the vocab-parallel logprobs).
+    Every rank of the job must call this: the whole batch is re-scored through Megatron's schedule by
+    every pipeline (TP ranks share the vocab-parallel logprobs, CP ranks one token share each, the
+    last stage's scores are sent to the others). `groups` defaults to Megatron's parallel state.
     """
+    groups = groups if groups is not None else ParallelGroups.from_megatron()
     batch, _ = broadcast_rollouts(engine.generate(prompts, sampling, seed=seed) if engine is not None else None)
     tensors = batch.to_tensors(pad_token_id)
     start = time.perf_counter()
-    pieces = []
-    with torch.no_grad():
-        for lo in range(0, tensors["input_ids"].shape[0], micro_batch_size):
-            pieces.append(policy.token_logprobs(tensors["input_ids"][lo : lo + micro_batch_size], **replay))
+    ids = tensors["input_ids"]
+    chunks = [ids[lo : lo + micro_batch_size] for lo in range(0, ids.shape[0], micro_batch_size)]
+    if groups.cp_size == 1:
+        scored = policy.score_microbatches(chunks, **replay)
+    else:
+        shards = [shard_next_token_batch(c, {}, groups.cp_size, groups.cp_rank, pad_id=pad_token_id) for c in chunks]
+        scored = policy.score_microbatches([s.input_ids for s in shards], labels=[s.labels for s in shards],
+                                           position_ids=[s.position_ids for s in shards], **replay)
+        if scored is not None:  # whole sequences back from every CP rank's share
+            scored = [gather_cp_tokens(x, groups)[:, : ids.shape[1] - 1] for x in scored]
+    pieces = broadcast_from_last_stage(scored, groups)
     old = torch.cat(pieces) if pieces else torch.zeros_like(tensors["rollout_logprobs"])
     return AuditData(
         batch=batch,
@@ -300,6 +314,7 @@ def run_audit(
                 seed=cfg.run.seed,
                 pad_token_id=pad,
                 micro_batch_size=cfg.policy.micro_batch_size,
+                groups=runtime.groups,
             )
         finally:
             if engine is not None:
