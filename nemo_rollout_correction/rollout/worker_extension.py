@@ -14,6 +14,7 @@ interface.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,25 @@ from typing import Any
 import torch
 
 WORKER_EXTENSION = "nemo_rollout_correction.rollout.worker_extension.RefitExtension"
+
+# Layers that by design receive no tensor in a refit: the rotary cos/sin cache (computed, not a weight) and
+# a tied lm_head (it shares the embedding; `_nrc_repack_embedding_gemms` refreshes it). vLLM's reload warns
+# "<Layer>: Failed to load weights" for them on every refit; any OTHER layer named there is a real problem
+# and stays visible.
+_EXPECTED_UNLOADED = ("RotaryEmbedding", "ParallelLMHead")
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.endswith("Failed to load weights") and message.split(":")[0] in _EXPECTED_UNLOADED)
+
+
+def _quiet_expected_reload_warnings() -> None:
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    if not any(isinstance(f, _ExpectedReloadWarnings) for f in logger.filters):
+        logger.addFilter(_ExpectedReloadWarnings())
 
 
 def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -41,6 +61,7 @@ class RefitExtension:
         """
         start = time.perf_counter()
         count = 0
+        _quiet_expected_reload_warnings()
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count
