@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from nemo_rollout_correction.distributed.groups import ParallelGroups
+from nemo_rollout_correction.distributed.tensor_gather import collective_device
 
 
 def stage_rank(groups: ParallelGroups, stage: int) -> int:
@@ -58,13 +59,6 @@ def sync_tied_embedding_grads(model: nn.Module, groups: ParallelGroups) -> None:
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
-def _comm_device(group: Any) -> torch.device:
-    """Where buffers for `group` must live: the current GPU for NCCL, the CPU for gloo."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _flat_by_dtype(weights: list[tuple[str, Tensor]]) -> dict[torch.dtype, Tensor]:
     flats: dict[torch.dtype, list[Tensor]] = {}
     for _, tensor in weights:
@@ -96,7 +90,7 @@ def gather_weights_to_first_stage(weights: Iterable[tuple[str, Tensor]], groups:
                 counts[dtype] = counts.get(dtype, 0) + int(torch.Size(shape).numel())
             flats = {}
             for dtype in sorted(counts, key=str):
-                flats[dtype] = torch.empty(counts[dtype], dtype=dtype, device=_comm_device(groups.pp_group))
+                flats[dtype] = torch.empty(counts[dtype], dtype=dtype, device=collective_device(groups.pp_group))
                 dist.recv(flats[dtype], src=src, group=groups.pp_group)
             offsets = dict.fromkeys(counts, 0)
             for name, shape, dtype in entries:
@@ -104,7 +98,7 @@ def gather_weights_to_first_stage(weights: Iterable[tuple[str, Tensor]], groups:
                 yield name, flats[dtype][offsets[dtype]:offsets[dtype] + numel].view(shape)
                 offsets[dtype] += numel
         return
-    device = _comm_device(groups.pp_group)
+    device = collective_device(groups.pp_group)
     own = [(name, tensor.detach().to(device)) for name, tensor in weights]
     dist.send_object_list([[(name, tuple(t.shape), t.dtype) for name, t in own]], dst=first, group=groups.pp_group)
     flats = _flat_by_dtype(own)

@@ -28,7 +28,7 @@ from torch import nn
 
 from nemo_rollout_correction.distributed.cpu_compat import patch_cuda_for_cpu
 from nemo_rollout_correction.distributed.groups import ParallelGroups
-from nemo_rollout_correction.distributed.tensor_gather import broadcast_object
+from nemo_rollout_correction.distributed.tensor_gather import broadcast_object, collective_device
 
 
 @dataclass(frozen=True)
@@ -137,13 +137,15 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, groups: Para
     embedding (Megatron marks it `shared=True`) is not counted twice.
     """
     params = [p for p in params if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float64)
+    # On the device the collectives need (NCCL: GPU); the gradients may live elsewhere only on CPU jobs.
+    group = groups.tp_group if groups.tp_group is not None else groups.pp_group
+    sq = torch.zeros((), dtype=torch.float64, device=collective_device(group))
     for param in params:
         if getattr(param, "shared", False):
             continue
         sharded = bool(getattr(param, "tensor_model_parallel", False))
         if sharded or groups.tp_rank == 0:
-            sq += param.grad.detach().double().pow(2).sum().cpu()  # type: ignore[union-attr]
+            sq += param.grad.detach().double().pow(2).sum().to(sq.device)  # type: ignore[union-attr]
     if groups.tp_size > 1:
         dist.all_reduce(sq, group=groups.tp_group)
     if groups.pp_size > 1:
@@ -172,7 +174,8 @@ def all_reduce_sums(values: dict[str, float], groups: ParallelGroups) -> dict[st
     if groups.dp_cp_size == 1 or not values:
         return dict(values)
     keys = sorted(values)
-    buf = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    buf = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
+                       device=collective_device(groups.dp_cp_group))
     dist.all_reduce(buf, group=groups.dp_cp_group)
     return dict(zip(keys, buf.tolist(), strict=True))
 

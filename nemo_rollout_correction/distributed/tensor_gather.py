@@ -33,6 +33,13 @@ def group_rank(group: ProcessGroup | None) -> int:
     return int(dist.get_rank(group))
 
 
+def collective_device(group: ProcessGroup | None) -> torch.device:
+    """Where a buffer for a collective over `group` must live: the current GPU for NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def gather_along_dim(shard: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Concatenate every rank's `shard` along `dim` in rank order (one all-gather; no-op for one rank).
 
@@ -91,5 +98,5 @@ def broadcast_object(obj: object, src: int, group: ProcessGroup | None = None) -
     return box[0]
 
 
-__all__ = ["all_gather_list", "all_gather_with_grad", "broadcast_object", "gather_along_dim", "group_rank",
-           "group_size"]
+__all__ = ["all_gather_list", "all_gather_with_grad", "broadcast_object", "collective_device", "gather_along_dim",
+           "group_rank", "group_size"]
