@@ -235,7 +235,8 @@ class GRPOConfig:
     normalize_advantages_by_std: bool = _f(True, "Divide group-centred rewards by the group std (Dr.GRPO: false).")
     clip_ratio_low: float = _f(0.2, "PPO clip: ratio lower bound is 1 - clip_ratio_low.")
     clip_ratio_high: float = _f(0.28, "PPO clip: ratio upper bound is 1 + clip_ratio_high (DAPO clip-higher).")
-    loss_agg_mode: LossAggMode = _f("token-mean", "How per-token losses become one loss (core/aggregation.py).")
+    loss_agg_mode: LossAggMode = _f("token-mean", "How per-token losses become one loss (core/aggregation.py); "
+                                    "seq-mean-token-sum-norm divides by rollout.max_new_tokens.")
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference policy; 0 disables it.")
     kl_estimator: KLEstimator = _f("k3", "KL estimator (core/kl_penalty.py).")
 

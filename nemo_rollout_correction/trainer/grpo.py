@@ -137,6 +137,8 @@ class GrpoTrainer:
         self.metrics_path = self.output_dir / "metrics.jsonl"
         cfg.check_world_size(runtime.world_size, source=f"torch.distributed world size {runtime.world_size}")
         self.rc_cfg = cfg.to_rollout_correction_config()
+        # seq-mean-token-sum-norm divides by a constant length: the response budget, identical for every
+        # microbatch and layout (the microbatch width would vary with the prompt and with CP padding).
         self.loss_fn = RolloutCorrectedPolicyLoss(
             self.rc_cfg,
             PolicyLossConfig(
@@ -144,6 +146,7 @@ class GrpoTrainer:
                 clip_ratio_high=cfg.grpo.clip_ratio_high,
                 loss_agg_mode=cfg.grpo.loss_agg_mode,
             ),
+            norm_length=float(cfg.rollout.max_new_tokens),
         )
         self.sampling = sampling_options(cfg)
         self.sampling.validate()

@@ -62,7 +62,7 @@ def _use(trainer: Any, rc_cfg: RolloutCorrectionConfig) -> None:
     trainer.rc_cfg = rc_cfg
     trainer.loss_fn = RolloutCorrectedPolicyLoss(rc_cfg, PolicyLossConfig(
         clip_ratio_low=trainer.cfg.grpo.clip_ratio_low, clip_ratio_high=trainer.cfg.grpo.clip_ratio_high,
-        loss_agg_mode=trainer.cfg.grpo.loss_agg_mode))
+        loss_agg_mode=trainer.cfg.grpo.loss_agg_mode), norm_length=trainer.loss_fn.norm_length)
 
 
 def _params(trainer: Any) -> dict[str, torch.Tensor]:
