@@ -243,28 +243,32 @@ def tied_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 _ONE_PROCESS: dict[str, list[dict[str, Any]]] = {}
 
 
-def _one_process_two_steps(args: list[str], preset: str, root: Path) -> list[dict[str, Any]]:
-    """The one-process reference for `preset` (two steps on the tied tiny Llama), run once per session."""
-    if preset not in _ONE_PROCESS:
-        out = root / f"one-{preset}"
+def _one_process_two_steps(args: list[str], key: str, root: Path) -> list[dict[str, Any]]:
+    """The one-process reference for `args` (two steps on the tied tiny Llama), run once per session."""
+    if key not in _ONE_PROCESS:
+        out = root / f"one-{key}"
         _ok(nrc([*args, f"run.output_dir={out}"], root))
-        _ONE_PROCESS[preset] = read_metrics(out)
-    return _ONE_PROCESS[preset]
+        _ONE_PROCESS[key] = read_metrics(out)
+    return _ONE_PROCESS[key]
 
 
 # PP: Megatron's 1F1B schedule, the last stage's metrics sent to stage 0, tied-embedding gradient sync;
 # CP: load-balanced token shards, the CPU all-gather CP attention, sequence statistics completed over CP.
 MODEL_PARALLEL = [
-    pytest.param("pp2", "token_tis", id="pp2-decoupled"),
-    pytest.param("cp2", "bypass_ppo_clip_k3_rs", id="cp2-bypass_k3"),
-    pytest.param("pp2", "bypass_ppo_clip_k3_rs", id="pp2-bypass_k3", marks=pytest.mark.slow),
-    pytest.param("cp2", "token_tis", id="cp2-decoupled", marks=pytest.mark.slow),
+    pytest.param("pp2", "token_tis", (), id="pp2-decoupled"),
+    pytest.param("cp2", "bypass_ppo_clip_k3_rs", (), id="cp2-bypass_k3"),
+    pytest.param("pp2", "bypass_ppo_clip_k3_rs", (), id="pp2-bypass_k3", marks=pytest.mark.slow),
+    pytest.param("cp2", "token_tis", (), id="cp2-decoupled", marks=pytest.mark.slow),
+    # A constant length (rollout.max_new_tokens), not the CP-padded width: the same loss under CP.
+    pytest.param("cp2", "token_tis", ("grpo.loss_agg_mode=seq-mean-token-sum-norm",), id="cp2-seq_sum_norm",
+                 marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("layout", "preset"), MODEL_PARALLEL)
+@pytest.mark.parametrize(("layout", "preset", "extra"), MODEL_PARALLEL)
 def test_torchrun_pipeline_and_context_parallel_match_one_process(
-    tied_tiny: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, layout: str, preset: str
+    tied_tiny: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, layout: str, preset: str,
+    extra: tuple[str, ...],
 ) -> None:
     torchrun_exe = Path(sys.executable).with_name("torchrun")
     if not torchrun_exe.exists() and shutil.which("torchrun") is None:
@@ -272,8 +276,9 @@ def test_torchrun_pipeline_and_context_parallel_match_one_process(
     torchrun = [str(torchrun_exe), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"]
     # Two steps: step 2's rollouts come from the refit weights (gathered from every stage), and its
     # mismatch metrics compare them with the trainer's, so a stage missing from the refit would show.
-    args = [*ONE_STEP, "run.num_steps=2", f"model.source={tied_tiny}", f"rollout_correction={preset}"]
-    one = _one_process_two_steps(args, preset, tmp_path_factory.getbasetemp())
+    args = [*ONE_STEP, "run.num_steps=2", f"model.source={tied_tiny}", f"rollout_correction={preset}", *extra]
+    key = "-".join([preset, *(e.split("=")[-1] for e in extra)])
+    one = _one_process_two_steps(args, key, tmp_path_factory.getbasetemp())
     _ok(nrc([*args, f"run.output_dir={tmp_path / layout}", f"parallelism={layout}"], tmp_path, launcher=torchrun))
     parallel = read_metrics(tmp_path / layout)
     assert len(one) == len(parallel) == 2
