@@ -54,13 +54,15 @@ class _CudaToCpu(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
-        if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        if kwargs.get("pin_memory"):  # staging for a host-to-GPU copy; nothing to pin without CUDA
-            kwargs["pin_memory"] = False
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")) or kwargs.get("pin_memory"):  # copy only what is rewritten
+            kwargs = dict(kwargs)
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):  # staging for a host-to-GPU copy; nothing to pin without CUDA
+                kwargs["pin_memory"] = False
         return func(*args, **kwargs)
 
 

@@ -45,12 +45,9 @@ def gather_along_dim(shard: Tensor, dim: int, group: ProcessGroup | None) -> Ten
 
     shard: this rank's chunk, same shape on every rank. Returns the full tensor on every rank.
     """
-    size = group_size(group)
-    if size == 1:
+    if group_size(group) == 1:
         return shard
-    chunks = [torch.empty_like(shard) for _ in range(size)]
-    dist.all_gather(chunks, shard.contiguous(), group=group)
-    return torch.cat(chunks, dim=dim)
+    return torch.cat(all_gather_list(shard, group), dim=dim)
 
 
 class _AllGatherWithGrad(torch.autograd.Function):

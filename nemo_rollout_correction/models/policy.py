@@ -122,8 +122,8 @@ class MegatronPolicy:
     def logprobs_from_logits(self, logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0,
                              top_k: int | None = None, top_p: float | None = None) -> Tensor:
         """`[batch, seq - 1]` float32: logprob of `input_ids[:, t + 1]` given its prefix, from `[b, s, V/tp]` logits."""
-        return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:].to(logits.device), self.tp_group,
-                                       temperature=temperature, top_k=top_k, top_p=top_p)
+        return self.label_logprobs(logits[:, :-1], input_ids[:, 1:], temperature=temperature, top_k=top_k,
+                                   top_p=top_p)
 
     def token_logprobs(self, input_ids: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
                        top_p: float | None = None) -> Tensor:
@@ -156,11 +156,11 @@ class MegatronPolicy:
         out: list[Tensor] = []
 
         def hook(index: int, logits: Tensor) -> Tensor:
-            options = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-            if labels is None:
-                out.append(self.logprobs_from_logits(logits, input_ids[index], **options))  # type: ignore[arg-type]
+            if labels is None:  # next-token shift inside the microbatch
+                logits, targets = logits[:, :-1], input_ids[index][:, 1:]
             else:
-                out.append(self.label_logprobs(logits, labels[index], **options))  # type: ignore[arg-type]
+                targets = labels[index]
+            out.append(self.label_logprobs(logits, targets, temperature=temperature, top_k=top_k, top_p=top_p))
             return logits.new_zeros(())
 
         run_microbatches(self.model, input_ids, hook, forward_only=True, position_ids=position_ids)
