@@ -4,9 +4,11 @@ Megatron-Core calls `torch.cuda.current_device()` in several helpers (rotary emb
 tensor-parallel utilities, parallel-state set-up) and uses the result as a `device=`; on CPU
 `patch_cuda_for_cpu` makes it return `"cpu"` and `torch.cuda.synchronize()` a no-op (the pipeline
 p2p code calls it after every exchange). Megatron's pipeline schedules also create tensors with a
-literal `device="cuda"`, its tied-embedding set-up calls `Tensor.cuda()` and its context-parallel
-rotary embedding pins memory; `cuda_to_cpu()` is a torch-function mode that keeps all of it on the
-CPU while Megatron code runs. Lives in the distributed layer
+literal `device="cuda"`, its tied-embedding set-up calls `Tensor.cuda()`, its context-parallel
+rotary embedding pins memory, and its optimizers (`megatron.core.optimizer`) assert that every
+parameter's `Tensor.type()` is a `torch.cuda.*` type; `cuda_to_cpu()` is a torch-function mode that
+keeps all of it on the CPU while Megatron code runs (model construction, DDP wrapping, the schedule
+with its gradient finalisation, the optimizer build and step). Lives in the distributed layer
 because process-group set-up (`runtime.init_runtime`) needs it before any model exists;
 `models.megatron_cpu` re-exports it.
 """
@@ -50,12 +52,19 @@ def _is_cuda(device: Any) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrite `device="cuda..."` to the CPU, drop `pin_memory=True` and make `Tensor.cuda()` the identity."""
+    """Rewrite `device="cuda..."` to the CPU, drop `pin_memory=True`, make `Tensor.cuda()` the identity and
+    `Tensor.type()` report `torch.cuda.*` type strings."""
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron's optimizers assert `param.type() == "torch.cuda.FloatTensor"` (or the
+            # BFloat16/Half variants) to pick the fp32-main-param path; the CPU tensor answers as
+            # the CUDA tensor it stands in for. Only the query form: `type(dtype)` is a cast.
+            name: str = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         kwargs = kwargs or {}
         if _is_cuda(kwargs.get("device")) or kwargs.get("pin_memory"):  # copy only what is rewritten
             kwargs = dict(kwargs)

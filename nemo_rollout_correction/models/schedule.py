@@ -13,7 +13,9 @@ How the schedule is configured, and why:
   size); our loss is already divided by the step's global denominator.
 - `variable_seq_lengths=True`: microbatches are trimmed to their longest row, so stage-to-stage
   activations change shape; Megatron then exchanges shapes first.
-- no `finalize_model_grads_func`: the trainer reduces gradients itself (DP sum, tied embeddings).
+- `finalize_model_grads_func` is whatever the model's config holds: Megatron's `finalize_model_grads`
+  once the model is wrapped for training (`models.optimizer`: DP x CP gradient reduction, tied-embedding
+  sync, division by the loss hooks' summed token counts), nothing for a bare model (scoring, tests).
 - on CPU, `distributed.cpu_compat.cuda_to_cpu` covers the schedule's hard-coded `device="cuda"`.
 """
 
@@ -30,8 +32,11 @@ from torch import Tensor, nn
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu, without_torch_function_modes
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask
 
-LossHook = Callable[[int, Tensor], Tensor]
-"""`(microbatch index, logits [batch, seq, vocab / tp]) -> scalar loss`; runs on the last stage only."""
+LossHook = Callable[[int, Tensor], "Tensor | tuple[Tensor, Tensor]"]
+"""`(microbatch index, logits [batch, seq, vocab / tp]) -> scalar loss` or `(loss, num_tokens)`; runs on the
+last stage only. A returned `num_tokens` (0-dim) is summed by Megatron over the microbatches and dp x cp, and
+`finalize_model_grads` divides the gradients by that sum (when positive): the loss can then be a numerator
+whose denominator is only known after the pass."""
 
 
 def configure_schedule(model: nn.Module) -> None:
@@ -39,7 +44,6 @@ def configure_schedule(model: nn.Module) -> None:
     config: Any = model.config
     config.calculate_per_token_loss = True
     config.variable_seq_lengths = True
-    config.finalize_model_grads_func = None
 
 
 def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: LossHook, *,
@@ -52,8 +56,10 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
         rank's tokens (`distributed.context_parallel.cp_token_indices`); None means `0..width-1`.
         Under CP the attention builds its own causal mask (from Megatron's CP layout), so none is passed.
     loss_hook: called on the last pipeline stage with each microbatch's logits; its scalar is
-        backpropagated as is (no rescaling). For `forward_only` passes return any scalar, e.g. zero.
-    Gradients accumulate into `.grad` (the caller zeroes and reduces them).
+        backpropagated as is (no rescaling, except fp16's loss scale). For `forward_only` passes return
+        any scalar, e.g. zero.
+    Gradients accumulate into `.grad` for a bare model (the caller reduces them); for a model wrapped by
+    `models.optimizer` into DDP's `main_grad` buffer, finalised (reduced, synced, divided) at the end.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -72,9 +78,12 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
 
     def loss_func(index: int, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
         with compute():
-            loss = loss_hook(index, logits)
-        # Megatron sums these into its token counter; unused because no finalize function runs.
-        return loss, torch.zeros((), dtype=torch.int, device=loss.device), {}
+            out = loss_hook(index, logits)
+        loss, count = out if isinstance(out, tuple) else (out, None)
+        # Megatron sums these into its token counter; finalize_model_grads divides by a positive total.
+        tokens = torch.zeros((), dtype=torch.int, device=loss.device) if count is None else \
+            count.detach().to(device=loss.device, dtype=torch.int)
+        return loss, tokens, {}
 
     def forward_step(data_iterator: Any, stage: nn.Module) -> tuple[Tensor, Callable[[Tensor], Any]]:
         index, ids = next(data_iterator)

@@ -1,0 +1,216 @@
+"""The policy's training machinery, all Megatron-Core: DDP, the (distributed) optimizer, the LR schedule.
+
+`build_policy_optimizer(model, settings)` wraps a policy stage the way Megatron-LM does:
+
+- `megatron.core.distributed.DistributedDataParallel` owns the gradients: one contiguous fp32 buffer
+  (`param.main_grad`, `grad_reduce_in_fp32=True` whatever the parameter dtype) that backward accumulates
+  into; Megatron's `finalize_model_grads` (set as the schedule's `finalize_model_grads_func`) then sums it
+  over data x context parallelism (an all-reduce, or a reduce-scatter with the distributed optimizer),
+  syncs the two copies of a tied embedding across pipeline stages and, when the loss pass returned token
+  counts, divides by their global sum (Megatron's `calculate_per_token_loss`). With
+  `calculate_per_token_loss=True` DDP SUMS over DP (no 1/dp): the trainer's microbatch losses are already
+  divided by the step's global denominator, so the sum is the full-batch gradient.
+- `megatron.core.optimizer.get_megatron_optimizer`: Adam (decoupled weight decay, none on biases and norm
+  weights: Megatron's grouping), global-norm clipping (`clip_grad`), and for bf16/fp16 parameters fp32
+  main weights inside the optimizer (fp16 adds Megatron's dynamic loss scaler, installed as the schedule's
+  `grad_scale_func`). `use_distributed_optimizer=True` shards the main weights and Adam moments over DP
+  (ZeRO-1): a reduce-scatter of gradients and an all-gather of updated weights replace the all-reduce.
+- `megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`: linear warmup, then constant, linear
+  or cosine decay to `min_lr` over the run's optimizer updates; stepped after every update (as in
+  Megatron-LM: update k, counted from 0, uses lr(k)).
+
+The bare model stays the policy's `model` (weight export, scoring); the DDP wrapper is what the loss pass
+runs through (its backward hooks fill the gradient buffer). On CPU all of it runs inside
+`distributed.cpu_compat.cuda_to_cpu()`; on GPU these are the plain library calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
+
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What the policy optimizer needs (built by the trainer from `policy.*`).
+
+    total_updates: optimizer updates of the whole run (run.num_steps x num_mini_batches x ppo_epochs):
+    the LR decays over them.
+    """
+
+    lr: float
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    use_distributed_optimizer: bool = False
+    lr_warmup_steps: int = 0
+    lr_decay_style: LrDecayStyle = "constant"
+    total_updates: int = 1
+    initial_loss_scale: float = 2.0**16
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """One optimizer update: the pre-clip global gradient norm, the LR it used, the fp16 loss scale."""
+
+    grad_norm: float
+    lr: float
+    loss_scale: float
+    skipped: bool
+    """fp16: the dynamic loss scaler found inf/NaN gradients and skipped the update (and lowered the scale)."""
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    return next(p for p in model.parameters()).dtype
+
+
+class PolicyOptimizer:
+    """Megatron DDP + optimizer + LR scheduler for one policy stage (see the module doc)."""
+
+    def __init__(self, model: nn.Module, settings: OptimizerSettings) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if settings.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style {settings.lr_decay_style!r} is not supported; allowed: "
+                             f"{', '.join(LR_DECAY_STYLES)}")
+        self.settings = settings
+        dtype = _param_dtype(model)
+        config: Any = model.config
+        # Read by DDP at construction (sum over DP instead of averaging) and by the schedule; the loss
+        # hooks return per-microbatch token counts only when the gradients must be divided afterwards.
+        config.calculate_per_token_loss = True
+        config.fp16 = dtype == torch.float16
+        config.bf16 = dtype == torch.bfloat16
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        # Megatron clips only when clip_grad > 0 and reports no norm otherwise; an infinite bound measures
+        # the norm without ever scaling (clip coefficient = inf / norm > 1).
+        clip = settings.grad_clip if settings.grad_clip > 0 else float("inf")
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=settings.lr,
+            min_lr=settings.min_lr,
+            weight_decay=settings.weight_decay,
+            adam_beta1=settings.adam_beta1,
+            adam_beta2=settings.adam_beta2,
+            adam_eps=settings.adam_eps,
+            clip_grad=clip,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            initial_loss_scale=settings.initial_loss_scale,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        with cuda_to_cpu():
+            self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+            self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        config.finalize_model_grads_func = finalize_model_grads
+        # fp16: the schedule multiplies each microbatch loss by the current loss scale before backward;
+        # the optimizer unscales the main gradients (and skips the update on inf/NaN).
+        config.grad_scale_func = self.optimizer.scale_loss if config.fp16 else None
+        # Megatron asserts warmup < decay steps; a one-update run still gets a valid (trivial) schedule.
+        decay_steps = max(settings.total_updates, settings.lr_warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=settings.lr,
+            min_lr=settings.min_lr,
+            lr_warmup_steps=settings.lr_warmup_steps,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=settings.lr_decay_style,
+            start_wd=settings.weight_decay,
+            end_wd=settings.weight_decay,
+            wd_incr_steps=decay_steps,
+            wd_incr_style="constant",
+        )
+
+    @property
+    def module(self) -> nn.Module:
+        """The DDP-wrapped model: run the loss pass through it (its hooks fill the gradient buffer)."""
+        return self.ddp
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next update will use."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 unless fp16)."""
+        return float(self.optimizer.get_loss_scale())
+
+    def zero_grad(self) -> None:
+        """Zero the DDP gradient buffers (and the optimizer's main gradients) before a loss pass."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> UpdateResult:
+        """Apply one update from the finalised gradients, then advance the LR schedule.
+
+        The gradients must have been finalised (`finalize_model_grads` runs at the end of the schedule's
+        backward pass). Every rank of the job calls it (the norm and the distributed optimizer's
+        all-gather are collectives).
+        """
+        lr, scale = self.lr, self.loss_scale
+        with cuda_to_cpu():
+            success, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return UpdateResult(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
+                            loss_scale=scale, skipped=not success)
+
+    def main_param_dtypes(self) -> set[torch.dtype]:
+        """Dtypes of the parameters the optimizer updates (fp32 main params for bf16/fp16 models)."""
+        return {p.dtype for group in self.optimizer.param_groups for p in group["params"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything an exact resume at the same layout needs: optimizer (main params, moments, loss
+        scaler) and scheduler. With the distributed optimizer each rank saves its own shard of the
+        parameter state (`get_parameter_state_dp_reshardable`: per-rank, no gather)."""
+        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.settings.use_distributed_optimizer:
+            state["param_state"] = [opt.get_parameter_state_dp_reshardable() for opt in _chained(self.optimizer)]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` (same layout: same TP/PP/CP/DP sizes and distributed-optimizer setting)."""
+        with cuda_to_cpu():
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.settings.use_distributed_optimizer:
+                for opt, shard in zip(_chained(self.optimizer), state["param_state"], strict=True):
+                    opt.load_parameter_state_from_dp_reshardable(shard)
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _chained(optimizer: Any) -> list[Any]:
+    """The optimizers inside a Megatron `ChainedOptimizer` (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def build_policy_optimizer(model: nn.Module, settings: OptimizerSettings) -> PolicyOptimizer:
+    """Wrap `model` (this rank's policy stage) in Megatron DDP and build its optimizer and LR schedule.
+
+    `megatron.core.parallel_state` must be initialised. The model's `TransformerConfig` is updated in place
+    (per-token loss, finalize/grad-scale functions), so build one optimizer per model.
+    """
+    return PolicyOptimizer(model, settings)
+
+
+__all__ = ["LR_DECAY_STYLES", "LrDecayStyle", "OptimizerSettings", "PolicyOptimizer", "UpdateResult",
+           "build_policy_optimizer"]
