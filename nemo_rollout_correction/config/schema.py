@@ -38,7 +38,8 @@ __all__ = [
     "TrainConfig",
 ]
 
-PolicyDtype = Literal["float32", "bfloat16"]
+PolicyDtype = Literal["float32", "bfloat16", "float16"]
+LrDecayStyle = Literal["constant", "linear", "cosine"]
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
 TaskName = Literal["arithmetic", "length_target", "dataset"]
 LauncherName = Literal["local", "slurm"]
@@ -113,7 +114,8 @@ class ModelConfig:
 
     source: str = _f("smollm2-135m", "Builtin model name (smollm2-135m | tiny-llama) or a path to a Hugging Face "
                      "checkpoint directory.")
-    dtype: PolicyDtype = _f("float32", "Policy parameter dtype in the trainer.")
+    dtype: PolicyDtype = _f("float32", "Policy parameter dtype in the trainer; bfloat16/float16 keep fp32 main weights "
+                            "in Megatron's optimizer (float16 with its dynamic loss scaler).")
 
     def __post_init__(self) -> None:
         if self.source in BUILTIN_MODELS:
@@ -146,8 +148,18 @@ class PolicyConfig:
     adam_beta2: float = _f(0.999, "Adam beta2.")
     adam_eps: float = _f(1e-8, "Adam epsilon.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    # Megatron-Core optimizer and LR schedule (models/optimizer.py).
+    use_distributed_optimizer: bool = _f(False, "Shard fp32 main weights and Adam state over data parallelism "
+                                         "(Megatron's distributed optimizer, ZeRO-1).")
+    lr_warmup_steps: int = _f(0, "Optimizer updates of linear LR warmup from 0 to policy.lr.")
+    lr_decay_style: LrDecayStyle = _f("constant", "LR after warmup: constant, or linear/cosine decay to "
+                                      "policy.min_lr over the run's optimizer updates.")
+    min_lr: float = _f(0.0, "Learning rate at the end of a linear or cosine decay.")
 
     def __post_init__(self) -> None:
+        _at_least("policy.lr_warmup_steps", self.lr_warmup_steps, 0)
+        if not 0.0 <= self.min_lr <= self.lr:
+            _fail("policy.min_lr", self.min_lr, f"must be in [0, policy.lr={self.lr:g}]")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "micro_batch_size"):
             _at_least(f"policy.{name}", getattr(self, name), 1)
         _positive("policy.lr", self.lr)
@@ -239,8 +251,13 @@ class GRPOConfig:
                                     "seq-mean-token-sum-norm divides by rollout.max_new_tokens.")
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference policy; 0 disables it.")
     kl_estimator: KLEstimator = _f("k3", "KL estimator (core/kl_penalty.py).")
+    # Updates per rollout batch (verl's ppo_mini_batch_size / ppo_epochs).
+    num_mini_batches: int = _f(1, "Optimizer updates per pass over a step's rollouts (each on an equal share).")
+    ppo_epochs: int = _f(1, "Passes over a step's rollouts; old_logprobs stay those of the policy before the first.")
 
     def __post_init__(self) -> None:
+        _at_least("grpo.num_mini_batches", self.num_mini_batches, 1)
+        _at_least("grpo.ppo_epochs", self.ppo_epochs, 1)
         _in_range("grpo.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0, high_open=True)
         _at_least("grpo.clip_ratio_high", self.clip_ratio_high, 0.0)
         _at_least("grpo.kl_coef", self.kl_coef, 0.0)
@@ -367,13 +384,19 @@ class TrainConfig:
         except ConfigError as exc:
             raise ConfigError(f"{exc} ({source}); choose a world size that is a multiple of it") from None
         rollouts = self.task.prompts_per_step * self.rollout.num_samples_per_prompt
-        per_step = self.policy.micro_batch_size * dp
+        per_step = self.policy.micro_batch_size * dp * self.grpo.num_mini_batches
         if rollouts % per_step:
             raise ConfigError(
                 f"task.prompts_per_step x rollout.num_samples_per_prompt = {self.task.prompts_per_step} x "
                 f"{self.rollout.num_samples_per_prompt} = {rollouts} rollouts per step must be divisible by "
-                f"policy.micro_batch_size x data-parallel size = {self.policy.micro_batch_size} x {dp} = {per_step}"
+                f"policy.micro_batch_size x data-parallel size x grpo.num_mini_batches = "
+                f"{self.policy.micro_batch_size} x {dp} x {self.grpo.num_mini_batches} = {per_step}"
             )
+
+    @property
+    def total_optimizer_updates(self) -> int:
+        """Optimizer updates of the whole run: run.num_steps x grpo.num_mini_batches x grpo.ppo_epochs."""
+        return self.run.num_steps * self.grpo.num_mini_batches * self.grpo.ppo_epochs
 
     # ---- resolved views ---------------------------------------------------------------------
 

@@ -1,12 +1,10 @@
 """Step-level exchanges between pipeline stages (Megatron pipeline parallelism).
 
-Megatron's schedule moves activations between stages; what it leaves to the trainer is here:
+Megatron's schedule moves activations between stages and its `finalize_model_grads` syncs the two
+copies of a tied embedding; what it leaves to the trainer is here:
 
 - `broadcast_from_last_stage`: the loss, the `rollout_corr/*` metrics and the review exist only on
   the last stage (it holds the output layer); the logging rank is stage 0.
-- `sync_tied_embedding_grads`: with tied embeddings and PP > 1 the first stage's input embedding and
-  the last stage's output layer are two copies of one matrix; their gradients are summed over
-  Megatron's embedding group so both copies take the same update.
 - `gather_weights_to_first_stage`: the rollout engine lives on stage 0 but every stage holds a part
   of the model; each stage's (already TP-gathered) Hugging Face tensors travel to stage 0 for a refit,
   one flat buffer per dtype and stage.
@@ -19,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.tensor_gather import collective_device
@@ -39,24 +37,6 @@ def broadcast_from_last_stage(obj: Any, groups: ParallelGroups) -> Any:
     box = [obj if groups.is_last_pipeline_stage else None]
     dist.broadcast_object_list(box, src=stage_rank(groups, groups.pp_size - 1), group=groups.pp_group)
     return box[0]
-
-
-def sync_tied_embedding_grads(model: nn.Module, groups: ParallelGroups) -> None:
-    """SUM the gradients of the two copies of a tied embedding (first and last stage) when PP > 1.
-
-    A no-op for untied models, PP = 1 and middle stages. Every rank of the first and last stage must
-    call it (Megatron's embedding group spans them).
-    """
-    if groups.pp_size == 1 or not getattr(model, "share_embeddings_and_output_weights", False):
-        return
-    from megatron.core import parallel_state as ps
-
-    if not ps.is_rank_in_embedding_group(ignore_virtual=True):
-        return
-    weight = model.shared_embedding_or_output_weight()  # type: ignore[operator]
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
 def _flat_by_dtype(weights: list[tuple[str, Tensor]]) -> dict[torch.dtype, Tensor]:
@@ -106,4 +86,4 @@ def gather_weights_to_first_stage(weights: Iterable[tuple[str, Tensor]], groups:
         dist.send(flats[dtype].contiguous(), dst=first, group=groups.pp_group)
 
 
-__all__ = ["broadcast_from_last_stage", "gather_weights_to_first_stage", "stage_rank", "sync_tied_embedding_grads"]
+__all__ = ["broadcast_from_last_stage", "gather_weights_to_first_stage", "stage_rank"]

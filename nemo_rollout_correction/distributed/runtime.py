@@ -3,28 +3,23 @@
 - `init_runtime(tp, pp, cp)`: initialise torch.distributed (from torchrun's environment, or a
   one-process group when launched directly), then Megatron-Core's `parallel_state`; returns this
   rank's `Runtime` (global rank/world, the `ParallelGroups`, whether it is the logging rank).
-- `all_reduce_gradients`: average nothing, SUM the gradients over data parallelism. The trainer's
-  microbatch losses are already divided by the global (all dp ranks) denominator, so the sum is the
-  gradient of the full-batch loss.
-- `clip_grad_norm`: the global gradient norm with TP-sharded parameters counted once per shard and
-  TP-replicated ones once in total (one all-reduce over TP), then scaling.
+- `all_reduce_sums`: a step's scalar statistics summed over data x context parallelism.
 - `broadcast_object`: rollouts and rewards from the rank that hosts the rollout engine.
+
+Gradients are not reduced here: Megatron's DDP and `finalize_model_grads` do it (`models.optimizer`).
 
 torch.distributed stays in this package (DESIGN.md, "Layers"); gloo on CPU, NCCL on GPU.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import socket
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from nemo_rollout_correction.distributed.cpu_compat import patch_cuda_for_cpu
 from nemo_rollout_correction.distributed.groups import ParallelGroups
@@ -105,59 +100,6 @@ def shutdown_runtime() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_gradients(params: Iterable[nn.Parameter], groups: ParallelGroups) -> None:
-    """SUM every parameter gradient over the data x context parallel group, in one flat buffer."""
-    if groups.dp_cp_size == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=groups.dp_cp_group)
-    offset = 0
-    for grad in grads:
-        count = grad.numel()
-        grad.copy_(flat[offset:offset + count].view_as(grad))
-        offset += count
-
-
-def scale_gradients(params: Iterable[nn.Parameter], factor: float) -> None:
-    """Multiply every gradient by `factor` in place (local; no collective)."""
-    for param in params:
-        if param.grad is not None:
-            param.grad.mul_(factor)
-
-
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, groups: ParallelGroups) -> float:
-    """Scale gradients so the global L2 norm is at most `max_norm` (<= 0: measure only); returns the norm.
-
-    TP-sharded parameters (`tensor_model_parallel=True`) contribute their shard on every TP rank;
-    replicated ones (norm weights) only on TP rank 0, so the all-reduced sum counts each element once.
-    Pipeline stages add their parts (one all-reduce over PP); the last stage's copy of a tied
-    embedding (Megatron marks it `shared=True`) is not counted twice.
-    """
-    params = [p for p in params if p.grad is not None]
-    # On the device the collectives need (NCCL: GPU); the gradients may live elsewhere only on CPU jobs.
-    group = groups.tp_group if groups.tp_group is not None else groups.pp_group
-    sq = torch.zeros((), dtype=torch.float64, device=collective_device(group))
-    for param in params:
-        if getattr(param, "shared", False):
-            continue
-        sharded = bool(getattr(param, "tensor_model_parallel", False))
-        if sharded or groups.tp_rank == 0:
-            sq += param.grad.detach().double().pow(2).sum().to(sq.device)  # type: ignore[union-attr]
-    if groups.tp_size > 1:
-        dist.all_reduce(sq, group=groups.tp_group)
-    if groups.pp_size > 1:
-        dist.all_reduce(sq, group=groups.pp_group)
-    norm = math.sqrt(float(sq))
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for param in params:
-            param.grad.mul_(scale)  # type: ignore[union-attr]
-    return norm
-
-
 def barrier() -> None:
     """A barrier over the whole job (no-op without torch.distributed)."""
     if dist.is_initialized():
@@ -182,12 +124,9 @@ def all_reduce_sums(values: dict[str, float], groups: ParallelGroups) -> dict[st
 
 __all__ = [
     "Runtime",
-    "all_reduce_gradients",
     "all_reduce_sums",
     "barrier",
     "broadcast_object",
-    "clip_grad_norm",
     "init_runtime",
-    "scale_gradients",
     "shutdown_runtime",
 ]

@@ -144,7 +144,8 @@ class PolicyOptimizer:
     @property
     def module(self) -> nn.Module:
         """The DDP-wrapped model: run the loss pass through it (its hooks fill the gradient buffer)."""
-        return self.ddp
+        module: nn.Module = self.ddp
+        return module
 
     @property
     def lr(self) -> float:

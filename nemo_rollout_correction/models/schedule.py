@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu, without_torch_function_modes
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask
 
-LossHook = Callable[[int, Tensor], "Tensor | tuple[Tensor, Tensor]"]
+LossHook = Callable[[int, Tensor], "Tensor | tuple[Tensor, Tensor | None]"]
 """`(microbatch index, logits [batch, seq, vocab / tp]) -> scalar loss` or `(loss, num_tokens)`; runs on the
 last stage only. A returned `num_tokens` (0-dim) is summed by Megatron over the microbatches and dp x cp, and
 `finalize_model_grads` divides the gradients by that sum (when positive): the loss can then be a numerator

@@ -5,6 +5,12 @@ Layout: `<dir>/step_<N>/rank_<r>.pt` per rank (its model shard, optimizer state 
 LAST, after every rank has written its file: a step directory without `meta.json` is incomplete (a crash
 while saving) and is ignored by `latest_checkpoint`. Each file is written to a temporary name and
 renamed, so a crash never leaves a truncated file under the final name.
+
+The optimizer state is `models.optimizer.PolicyOptimizer.state_dict()`: Megatron's optimizer state (fp32
+main params of a bf16/fp16 model, Adam moments, the fp16 loss scaler; with the distributed optimizer this
+rank's DP shard of them) and the LR scheduler. A resume therefore needs the same layout (TP/PP/CP/DP sizes
+and `policy.use_distributed_optimizer`); resuming into another layout would go through Megatron's
+`sharded_state_dict` / `dist_checkpointing` instead and is not implemented.
 """
 
 from __future__ import annotations
@@ -15,12 +21,20 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class Stateful(Protocol):
+    """An object with `state_dict()` / `load_state_dict()` (a torch optimizer, `PolicyOptimizer`)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
 
 
 def rng_state() -> dict[str, Any]:
@@ -47,8 +61,7 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_rank_state(ckpt_dir: Path, step: int, rank: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> Path:
+def save_rank_state(ckpt_dir: Path, step: int, rank: int, model: torch.nn.Module, optimizer: Stateful) -> Path:
     """Write this rank's `rank_<r>.pt` for `step`; returns the step directory."""
     step_dir = Path(ckpt_dir) / f"step_{step}"
     step_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +102,7 @@ def load_meta(step_dir: Path) -> dict[str, Any]:
     return meta
 
 
-def load_rank_state(step_dir: Path, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_rank_state(step_dir: Path, rank: int, model: torch.nn.Module, optimizer: Stateful) -> None:
     """Restore this rank's model shard, optimizer state and RNG states from `step_dir`."""
     path = Path(step_dir) / f"rank_{rank}.pt"
     if not path.is_file():
@@ -111,6 +124,7 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[int]:
 
 
 __all__ = [
+    "Stateful",
     "complete_steps",
     "latest_checkpoint",
     "load_meta",

@@ -7,23 +7,30 @@ One step (`GrpoTrainer.step`), on every rank of the job:
    responses per prompt with their vLLM logprobs (`rollout_logprobs`), scores them with the reward
    function, and broadcasts samples and rewards to every rank;
 3. advantages: group-normalised per prompt (GRPO), computed identically everywhere;
-4. data parallelism: each dp rank takes a contiguous slice of the samples and cuts it into microbatches;
-5. decoupled mode: a no-grad pass re-scores the rollout tokens with the current weights (`old_logprobs`,
-   with vLLM's temperature/top-k/top-p replayed); bypass mode skips it (`old_logprobs` = rollout);
-6. rollout correction: every microbatch's correction, then ONE fused all-reduce over dp x cp for the
-   step's loss denominators and the `rollout_corr/*` metrics (`RolloutCorrectedPolicyLoss.prepare_step`);
-7. training: forward with gradient, the rollout-corrected policy loss (plus a KL penalty to the initial
-   policy when `grpo.kl_coef > 0`), backward per microbatch; gradients summed over dp, clipped, AdamW step;
-8. refit: the TP shards are gathered into Hugging Face tensors and pushed into the running engine.
+4. mini-batches and data parallelism: the samples are cut into `grpo.num_mini_batches` contiguous
+   mini-batches; each dp rank takes a contiguous slice of every mini-batch and cuts it into microbatches;
+5. decoupled mode: a no-grad pass re-scores the rollout tokens with the weights before the first update
+   (`old_logprobs`, with vLLM's temperature/top-k/top-p replayed); bypass mode skips it;
+6. updates: `grpo.ppo_epochs` passes over the mini-batches, one optimizer update each:
+   a. plan (`losses.step_plan.plan_step`): the mini-batch's corrections and loss denominators, ONE fused
+      all-reduce over dp x cp (or none where the denominator comes after the pass);
+   b. forward/backward through Megatron's schedule with the rollout-corrected policy loss (plus a KL
+      penalty to the initial policy when `grpo.kl_coef > 0`); Megatron's `finalize_model_grads` reduces
+      the DDP gradient buffers over dp x cp and syncs tied embeddings;
+   c. optimizer step (Megatron's optimizer: clip, Adam on fp32 main weights) and LR schedule step;
+   d. finish (`finish_step`): the update's loss and metrics reduced over dp x cp; metrics average over
+      the updates;
+7. refit: the TP shards are gathered into Hugging Face tensors and pushed into the running engine.
 
 Every forward/backward goes through Megatron's schedule (`models.schedule.run_microbatches`): with
 pipeline parallelism the logits, and so the logprobs, the correction, the loss and the metrics, exist
 on the last stage only. The last stage sends its step metrics (and the review) to stage 0, where the
-logging rank is; gradients of a tied embedding are summed over the first and last stage; the refit
+logging rank is; gradients of a tied embedding are summed over the first and last stage (by Megatron's
+`finalize_model_grads`); the refit
 gathers every stage's weights to stage 0, where the engine is. With context parallelism every
 microbatch is cut along the tokens in Megatron's load-balanced layout (`shard_next_token_batch`: the
 next-token labels are cut from the full sequence first); the correction completes sequence statistics
-over CP and the gradients are summed over dp x cp.
+over CP and the gradients are summed over dp x cp (Megatron DDP).
 
 Timings of each phase, throughput and every metric are reported to the observer; checkpoints hold
 everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state).
@@ -31,12 +38,13 @@ everything needed for an exact resume (model, optimizer, RNG, sampler position, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,28 +55,21 @@ from torch import Tensor
 from nemo_rollout_correction.config.loader import to_dict
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.advantages import grpo_advantages
-from nemo_rollout_correction.core.kl_penalty import kl_penalty
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens, shard_next_token_batch
-from nemo_rollout_correction.distributed.correction import reduce_step_metrics
-from nemo_rollout_correction.distributed.pipeline import (
-    broadcast_from_last_stage,
-    gather_weights_to_first_stage,
-    sync_tied_embedding_grads,
+from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage, gather_weights_to_first_stage
+from nemo_rollout_correction.distributed.runtime import Runtime, barrier
+from nemo_rollout_correction.losses.rollout_corrected_pg import RolloutCorrectedPolicyLoss
+from nemo_rollout_correction.losses.step_plan import (
+    StepPlan,
+    StepResult,
+    StepStats,
+    denominator_strategy,
+    finish_step,
+    microbatch_loss,
+    plan_step,
 )
-from nemo_rollout_correction.distributed.runtime import (
-    Runtime,
-    all_reduce_gradients,
-    all_reduce_sums,
-    barrier,
-    clip_grad_norm,
-    scale_gradients,
-)
-from nemo_rollout_correction.losses.rollout_corrected_pg import (
-    RolloutCorrectedPolicyLoss,
-    StepDenominators,
-    rejection_is_predictable,
-)
+from nemo_rollout_correction.models.optimizer import OptimizerSettings, UpdateResult, build_policy_optimizer
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.schedule import run_microbatches
 from nemo_rollout_correction.models.sources import resolve_model_source
@@ -110,6 +111,15 @@ class Microbatch:
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     train_logprobs: Tensor | None = None  # the loss pass's logprobs (pre-update policy), detached
+
+
+@dataclass(frozen=True)
+class Update:
+    """One optimizer update of a step: its loss plan, its reduced statistics, what the optimizer did."""
+
+    plan: StepPlan
+    result: StepResult
+    applied: UpdateResult
 
 
 def _progress(message: str) -> None:
@@ -173,13 +183,21 @@ class GrpoTrainer:
             for param in self.reference.model.parameters():
                 param.requires_grad_(False)
         self.params = [p for p in self.policy.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
+        # Megatron DDP + optimizer (fp32 main weights for bf16/fp16) + LR schedule: models/optimizer.py.
+        self.optim = build_policy_optimizer(self.policy.model, OptimizerSettings(
             lr=cfg.policy.lr,
-            betas=(cfg.policy.adam_beta1, cfg.policy.adam_beta2),
-            eps=cfg.policy.adam_eps,
+            min_lr=cfg.policy.min_lr,
             weight_decay=cfg.policy.weight_decay,
-        )
+            adam_beta1=cfg.policy.adam_beta1,
+            adam_beta2=cfg.policy.adam_beta2,
+            adam_eps=cfg.policy.adam_eps,
+            grad_clip=cfg.policy.grad_clip,
+            use_distributed_optimizer=cfg.policy.use_distributed_optimizer,
+            lr_warmup_steps=cfg.policy.lr_warmup_steps,
+            lr_decay_style=cfg.policy.lr_decay_style,
+            total_updates=cfg.total_optimizer_updates,
+        ))
+        self.strategy = denominator_strategy(self.rc_cfg, kl_penalty_on=self.reference is not None)
         self.log(
             f"[nrc train] Megatron policy ({self.policy.arch.architecture}, {sum(p.numel() for p in self.params):,} "
             f"parameters on this rank, TP={runtime.tensor_parallel_size}, PP={runtime.pipeline_parallel_size}, "
@@ -193,20 +211,8 @@ class GrpoTrainer:
             self.engine = VllmRolloutEngine(engine_options(cfg, str(self.hf_dir)))
             self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         self.step_index = 0
-        self.reward_history: list[float] = []
 
     # ---- properties ------------------------------------------------------------------------------
-
-    @property
-    def post_scaled(self) -> bool:
-        """Bypass mode whose rejection depends on the current policy, with nothing that needs the denominator
-        up front: the loss numerators are backpropagated and the gradients divided by the global count."""
-        return (
-            self.rc_cfg.bypass_mode
-            and not rejection_is_predictable(self.rc_cfg)
-            and not self.rc_cfg.rollout_is_batch_normalize
-            and self.reference is None
-        )
 
     def prompt_token_ids(self, record: PromptRecord) -> list[int]:
         """Token ids of a prompt (chat template when configured and available)."""
@@ -223,10 +229,9 @@ class GrpoTrainer:
             self.log(f"[nrc train] run.resume=true but no complete checkpoint in {self.ckpt_dir}: starting fresh")
             return None
         meta = ckpt.load_meta(step_dir)
-        ckpt.load_rank_state(step_dir, self.runtime.rank, self.policy.model, self.optimizer)
+        ckpt.load_rank_state(step_dir, self.runtime.rank, self.policy.model, self.optim)
         self.sampler.load_state_dict(meta["sampler"])
         self.step_index = int(meta["step"])
-        self.reward_history = list(meta.get("reward_history", []))
         self.refit()  # the engine started from the Hugging Face files: give it the checkpoint's weights
         self.log(f"[nrc train] resumed from {step_dir} (step {self.step_index})")
         return meta
@@ -234,7 +239,7 @@ class GrpoTrainer:
     def save_checkpoint(self) -> Path:
         """Save every rank's state for the current step; the logging rank marks it complete and prunes."""
         step_dir = ckpt.save_rank_state(
-            self.ckpt_dir, self.step_index, self.runtime.rank, self.policy.model, self.optimizer
+            self.ckpt_dir, self.step_index, self.runtime.rank, self.policy.model, self.optim
         )
         barrier()
         if self.runtime.is_main:
@@ -245,7 +250,6 @@ class GrpoTrainer:
                     "sampler": self.sampler.state_dict(),
                     "world_size": self.runtime.world_size,
                     "observer": self.observer.checkpoint_state(),
-                    "reward_history": self.reward_history,
                     "config": to_dict(self.cfg),
                 },
             )
@@ -276,10 +280,16 @@ class GrpoTrainer:
         shared, rewards = broadcast_rollouts(batch, rewards)
         return shared, list(rewards)
 
-    def _microbatches(self, tensors: dict[str, Tensor], advantages: Tensor) -> list[Microbatch]:
-        """This dp rank's contiguous slice of the samples, cut into microbatches trimmed to their longest row."""
-        num = tensors["input_ids"].shape[0]
-        rows = torch.tensor_split(torch.arange(num), self.groups.dp_size)[self.groups.dp_rank]
+    def _mini_batches(self, tensors: dict[str, Tensor], advantages: Tensor) -> list[list[Microbatch]]:
+        """The step's samples cut into `grpo.num_mini_batches` contiguous mini-batches, each as this dp
+        rank's microbatches (one mini-batch: exactly the single update of earlier versions)."""
+        samples = torch.arange(tensors["input_ids"].shape[0])
+        return [self._microbatches(tensors, advantages, part)
+                for part in torch.tensor_split(samples, self.cfg.grpo.num_mini_batches)]
+
+    def _microbatches(self, tensors: dict[str, Tensor], advantages: Tensor, samples: Tensor) -> list[Microbatch]:
+        """This dp rank's contiguous slice of `samples`, cut into microbatches trimmed to their longest row."""
+        rows = torch.tensor_split(samples, self.groups.dp_size)[self.groups.dp_rank]
         size = self.cfg.policy.micro_batch_size
         out = []
         for start in range(0, len(rows), size):
@@ -321,161 +331,139 @@ class GrpoTrainer:
             return self.policy.logprobs_from_logits(logits, mb.input_ids, **self.replay)
         return self.policy.label_logprobs(logits, mb.labels, **self.replay)
 
+    # ---- one step: named phases ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Add the seconds spent inside to `timing/<phase>_s` of the current step (phases may repeat)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timings[phase] = self._timings.get(phase, 0.0) + time.perf_counter() - start
+
     def step(self) -> dict[str, float]:
         """Run one GRPO step; returns the step's metrics (identical keys on every rank)."""
-        cfg, timings = self.cfg, {}
-        step_start = time.perf_counter()
-        records = self.sampler.next_batch()
-
-        t = time.perf_counter()
-        batch, rewards = self.rollout(records)
-        timings["generation"] = time.perf_counter() - t
-        reward_t = torch.tensor(rewards, dtype=torch.float32)
-        advantages = grpo_advantages(
-            reward_t, group_size=batch.n, normalize_by_std=cfg.grpo.normalize_advantages_by_std
-        )
-        tensors = batch.to_tensors(self.pad_id)
-        microbatches = self._microbatches(tensors, advantages)
-        self.policy.model.train()
-
-        last = self.policy.is_last_stage
-
-        t = time.perf_counter()
-        if not self.rc_cfg.bypass_mode:
-            for mb, scored in zip(microbatches, self._score(self.policy, microbatches) or [], strict=False):
-                mb.old_logprobs = scored
-        timings["old_logprob"] = time.perf_counter() - t
-        t = time.perf_counter()
-        if self.reference is not None:
-            for mb, scored in zip(microbatches, self._score(self.reference, microbatches) or [], strict=False):
-                mb.ref_logprobs = scored
-        timings["ref_logprob"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        corrections, denominators, rc_metrics = self._prepare_correction(microbatches)
-        timings["correction"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"loss": 0.0, "kl_penalty": 0.0, "num_denominator": 0.0}
-        partials = []
-
-        def loss_hook(i: int, logits: Tensor) -> Tensor:  # last stage: one microbatch's loss
-            mb = microbatches[i]
-            logprobs = self._logprobs(logits, mb)
-            mb.train_logprobs = logprobs.detach()
-            out = self.loss_fn(
-                logprobs,
-                mb.rollout_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                self.groups,
-                denominators,
-                old_logprobs=mb.old_logprobs,
-                correction=None if corrections is None else corrections[i],
-            )
-            # Without a denominator in advance (bypass mode, rejection by the current policy) the
-            # numerator is backpropagated and the gradients are divided by the global count after the
-            # last microbatch: exact, and no extra forward (Megatron's calculate_per_token_loss idea).
-            loss = out.loss if denominators is not None else out.loss_sum
-            if self.reference is not None and mb.ref_logprobs is not None and denominators is not None:
-                keep = out.correction.keep_mask
-                kl = kl_penalty(logprobs, mb.ref_logprobs, cfg.grpo.kl_estimator, mask=keep)
-                kl_term = kl.sum() / max(denominators.num_global_tokens, 1.0)
-                loss = loss + cfg.grpo.kl_coef * kl_term
-                sums["kl_penalty"] += float(kl_term.detach())
-            sums["loss"] += float(out.loss.detach() if denominators is not None else out.loss_sum.detach())
-            sums["num_denominator"] += float(out.num_denominator)
-            partials.append(out.partials)
-            for key, value in out.policy_stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-            return loss
-
-        positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
-        run_microbatches(self.policy.model, [mb.input_ids for mb in microbatches], loss_hook, forward_only=False,
-                         position_ids=positions or None)
-        if self.post_scaled:
-            count = all_reduce_sums({"n": sums["num_denominator"]}, self.groups)["n"] if last else 0.0
-            count = float(broadcast_from_last_stage(count, self.groups))  # every stage scales its gradients
-            if self.loss_fn.agg_mode != "token-sum":
-                scale_gradients(self.params, 1.0 / max(count, 1.0))
-                sums["loss"] /= max(count, 1.0)
-        sync_tied_embedding_grads(self.policy.model, self.groups)
-        all_reduce_gradients(self.params, self.groups)
-        grad_norm = clip_grad_norm(self.params, cfg.policy.grad_clip, self.groups)
-        self.optimizer.step()
-        timings["train"] = time.perf_counter() - t
-
-        reduced: dict[str, float] = {}
-        review = None
-        if last:
-            if corrections is None:  # corrected inside the loss pass: metrics from its partials
-                t = time.perf_counter()
-                rc_metrics = reduce_step_metrics(partials, self.rc_cfg, self.groups)
-                timings["correction"] += time.perf_counter() - t
-            sums.setdefault("num_tokens", 0.0)
-            for key in ("pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum"):
-                sums.setdefault(key, 0.0)
-            reduced = all_reduce_sums(sums, self.groups)
-            # The review covers the logging rank's rows (dp rank 0; every CP rank joins to gather its tokens).
-            # With PP or CP it is built every step (small; the other ranks cannot see the observer),
-            # otherwise only when the observer asks for one.
-            reviewer = self.groups.dp_rank == 0 and self.groups.tp_rank == 0
-            wanted = (self.groups.pp_size > 1 or self.groups.cp_size > 1
-                      or self.observer.wants_review(self.step_index + 1))
-            if reviewer and wanted:
-                review = self._review(batch, microbatches, corrections, reward_t, records)
-        reduced, rc_metrics, review = broadcast_from_last_stage((reduced, rc_metrics, review), self.groups)
-
-        t = time.perf_counter()
-        self.refit()
-        timings["refit"] = time.perf_counter() - t
-        self.step_index += 1
-        timings["step"] = time.perf_counter() - step_start
-
-        metrics = self._metrics(batch, reward_t, reduced, rc_metrics, grad_norm, timings)
+        cfg = self.cfg
+        self._timings = dict.fromkeys(("generation", "old_logprob", "ref_logprob", "correction", "train"), 0.0)
+        with self._timed("step"):
+            records = self.sampler.next_batch()
+            with self._timed("generation"):
+                batch, rewards = self.rollout(records)
+            reward_t = torch.tensor(rewards, dtype=torch.float32)
+            advantages = grpo_advantages(reward_t, group_size=batch.n,
+                                         normalize_by_std=cfg.grpo.normalize_advantages_by_std)
+            mini_batches = self._mini_batches(batch.to_tensors(self.pad_id), advantages)
+            every = [mb for mini in mini_batches for mb in mini]
+            self.policy.model.train()
+            with self._timed("old_logprob"):
+                self.score_old_logprobs(every)
+            with self._timed("ref_logprob"):
+                self.score_ref_logprobs(every)
+            updates: list[Update] = []
+            for _epoch in range(cfg.grpo.ppo_epochs):
+                for microbatches in mini_batches:
+                    updates.append(self.train_update(microbatches))
+            review = self.review(batch, mini_batches, updates, reward_t, records)
+            with self._timed("refit"):
+                self.refit()
+            self.step_index += 1
+        metrics = self._metrics(batch, reward_t, updates, self._timings)
         if not self.observer.wants_review(self.step_index):
             review = None
-        if self.runtime.is_main:  # a local record of every step, independent of the tracking server
-            with self.metrics_path.open("a") as handle:
-                handle.write(json.dumps({"step": self.step_index, **metrics}) + "\n")
+        self.write_metrics(metrics)
         self.observer.on_step(self.step_index, metrics, review)
         return metrics
 
-    def _prepare_correction(
-        self, microbatches: list[Microbatch]
-    ) -> tuple[list[Any] | None, StepDenominators | None, dict[str, float]]:
-        """The step's corrections and denominators before any backward (see losses.rollout_corrected_pg).
+    def score_old_logprobs(self, microbatches: list[Microbatch]) -> None:
+        """Decoupled mode: `old_logprobs` of every microbatch from the policy before the step's first update."""
+        if self.rc_cfg.bypass_mode:
+            return
+        for mb, scored in zip(microbatches, self._score(self.policy, microbatches) or [], strict=False):
+            mb.old_logprobs = scored
 
-        Computed on the last pipeline stage (the only one with a loss); other stages get (None, None, {})
-        but still join the pre-pass schedule when one is needed.
+    def score_ref_logprobs(self, microbatches: list[Microbatch]) -> None:
+        """With a KL penalty: the reference (initial) policy's logprobs of every microbatch."""
+        if self.reference is None:
+            return
+        for mb, scored in zip(microbatches, self._score(self.reference, microbatches) or [], strict=False):
+            mb.ref_logprobs = scored
+
+    def train_update(self, microbatches: list[Microbatch]) -> Update:
+        """One optimizer update on one mini-batch: plan, forward/backward, optimizer step, finish."""
+        with self._timed("correction"):
+            plan = self.plan(microbatches)
+        with self._timed("train"):
+            stats = self.forward_backward(microbatches, plan)
+            applied = self.optim.step()
+        with self._timed("correction"):
+            result = StepResult({}, {})
+            if self.policy.is_last_stage:
+                result = finish_step(plan, stats, self.rc_cfg, self.groups, agg_mode=self.loss_fn.agg_mode)
+            result = broadcast_from_last_stage(result, self.groups)
+        return Update(plan=plan, result=result, applied=applied)
+
+    def plan(self, microbatches: list[Microbatch]) -> StepPlan:
+        """The update's loss plan (`losses.step_plan.plan_step`); the `prepass` strategy scores first.
+
+        Every stage joins the pre-pass schedule; only the last stage plans (the others get an empty plan).
         """
-        last = self.policy.is_last_stage
-        if self.post_scaled:
-            return None, None, {}  # the loss pass corrects and counts; gradients are scaled afterwards
-        needs_pre_pass = self.rc_cfg.bypass_mode and not rejection_is_predictable(self.rc_cfg)
-        current = self._score(self.policy, microbatches) if needs_pre_pass else None
-        if not last:
-            return None, None, {}
-        if not self.rc_cfg.bypass_mode:
-            corrections = [
-                self.loss_fn.correct(mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, self.groups)
-                for mb in microbatches
-                if mb.old_logprobs is not None
-            ]
-            step = self.loss_fn.prepare_step(corrections, self.groups)
-            return corrections, StepDenominators.from_step(step), step.metrics
-        if current is None:  # bypass with a rejection that does not depend on the current policy
-            pairs = [(mb.rollout_logprobs, mb.loss_mask) for mb in microbatches]
-            return None, self.loss_fn.rollout_only_denominators(pairs, self.groups), {}
-        # Batch-normalised IS (or the KL penalty's denominator) needs the current policy's correction before
-        # the first backward: one no-grad pre-pass.
-        corrections = [
-            self.loss_fn.correct(scored, mb.rollout_logprobs, mb.loss_mask, self.groups)
-            for scored, mb in zip(current, microbatches, strict=True)
-        ]
-        step = self.loss_fn.prepare_step(corrections, self.groups)
-        return corrections, StepDenominators.from_step(step), step.metrics
+        current = self._score(self.policy, microbatches) if self.strategy == "prepass" else None
+        if not self.policy.is_last_stage:
+            return StepPlan(self.strategy, None, None, {})
+        reference: list[Tensor] | None = current
+        if reference is None and not self.rc_cfg.bypass_mode:
+            reference = [mb.old_logprobs for mb in microbatches if mb.old_logprobs is not None]
+        return plan_step(self.loss_fn, self.strategy, [mb.rollout_logprobs for mb in microbatches],
+                         [mb.loss_mask for mb in microbatches], self.groups, reference_logprobs=reference,
+                         kl_coef=self.cfg.grpo.kl_coef, kl_estimator=self.cfg.grpo.kl_estimator)
+
+    def forward_backward(self, microbatches: list[Microbatch], plan: StepPlan) -> StepStats:
+        """Forward with gradient, loss and backward of every microbatch through Megatron's schedule on the
+        DDP model; the schedule ends with Megatron's `finalize_model_grads` (dp x cp reduction, tied
+        embeddings, the post-scaled division)."""
+        self.optim.zero_grad()
+        stats = StepStats()
+
+        def loss_hook(i: int, logits: Tensor) -> tuple[Tensor, Tensor | None]:  # last stage
+            mb = microbatches[i]
+            logprobs = self._logprobs(logits, mb)
+            if mb.train_logprobs is None:  # the policy of the step's first pass over mb (the review's)
+                mb.train_logprobs = logprobs.detach()
+            return microbatch_loss(plan, self.loss_fn, i, logprobs, mb.rollout_logprobs, mb.advantages,
+                                   mb.loss_mask, self.groups, stats, old_logprobs=mb.old_logprobs,
+                                   ref_logprobs=mb.ref_logprobs)
+
+        positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
+        run_microbatches(self.optim.module, [mb.input_ids for mb in microbatches], loss_hook,
+                         forward_only=False, position_ids=positions or None)
+        return stats
+
+    def review(self, batch: RolloutBatch, mini_batches: list[list[Microbatch]], updates: list[Update],
+               rewards: Tensor, records: list[PromptRecord]) -> StepReview | None:
+        """The step's per-sequence review (the first epoch's plans), built on the last stage, sent to stage 0.
+
+        It covers the logging rank's rows (dp rank 0; every CP rank joins to gather its tokens). With PP or
+        CP it is built every step (small; the other ranks cannot see the observer), otherwise only when the
+        observer asks for one.
+        """
+        review = None
+        reviewer = self.groups.dp_rank == 0 and self.groups.tp_rank == 0
+        wanted = self.groups.pp_size > 1 or self.groups.cp_size > 1 or self.observer.wants_review(self.step_index + 1)
+        if self.policy.is_last_stage and reviewer and wanted:
+            plans = [update.plan for update in updates[: len(mini_batches)]]
+            corrections = None
+            if all(plan.corrections is not None for plan in plans):
+                corrections = [c for plan in plans for c in plan.corrections or ()]
+            microbatches = [mb for mini in mini_batches for mb in mini]
+            review = self._review(batch, microbatches, corrections, rewards, records)
+        return broadcast_from_last_stage(review, self.groups)  # type: ignore[no-any-return]
+
+    def write_metrics(self, metrics: dict[str, float]) -> None:
+        """Append the step to `metrics.jsonl`: a local record of every step, independent of the tracking server."""
+        if self.runtime.is_main:
+            with self.metrics_path.open("a") as handle:
+                handle.write(json.dumps({"step": self.step_index, **metrics}) + "\n")
 
     def refit(self) -> float:
         """Push the current weights into the engine.
@@ -494,28 +482,34 @@ class GrpoTrainer:
             return 0.0
         return self.engine.refit(weights)
 
-    def _metrics(
-        self,
-        batch: RolloutBatch,
-        rewards: Tensor,
-        sums: dict[str, float],
-        rc_metrics: dict[str, float],
-        grad_norm: float,
-        timings: dict[str, float],
-    ) -> dict[str, float]:
-        num_tokens = max(sums.get("num_tokens", 0.0), 1.0)
+    def _metrics(self, batch: RolloutBatch, rewards: Tensor, updates: list[Update],
+                 timings: dict[str, float]) -> dict[str, float]:
+        """The step's metrics; loss, policy and `rollout_corr/*` values average over the step's updates."""
+
+        def mean(values: list[float]) -> float:
+            return sum(values) / max(len(values), 1)
+
+        def clipfrac(update: Update, key: str = "pg_clipfrac_sum") -> float:
+            return update.result.sums[key] / max(update.result.sums["num_tokens"], 1.0)
+
+        num_tokens = max(sum(u.result.sums["num_tokens"] for u in updates), 1.0)
         lengths = torch.tensor([len(s.token_ids) for s in batch.samples], dtype=torch.float32)
+        last = updates[-1].applied
         metrics: dict[str, float] = {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "reward/max": float(rewards.max()),
             "reward/min": float(rewards.min()),
-            "loss/policy": sums["loss"],
-            "loss/kl_penalty": sums["kl_penalty"],
-            "loss/pg_clipfrac": sums["pg_clipfrac_sum"] / num_tokens,
-            "loss/pg_clipfrac_lower": sums["pg_clipfrac_lower_sum"] / num_tokens,
-            "loss/ppo_kl": sums["ppo_kl_sum"] / num_tokens,
-            "loss/grad_norm": grad_norm,
+            "loss/policy": mean([u.result.sums["loss"] for u in updates]),
+            "loss/kl_penalty": mean([u.result.sums["kl_penalty"] for u in updates]),
+            "loss/pg_clipfrac": mean([clipfrac(u) for u in updates]),
+            "loss/pg_clipfrac_lower": mean([clipfrac(u, "pg_clipfrac_lower_sum") for u in updates]),
+            "loss/ppo_kl": mean([clipfrac(u, "ppo_kl_sum") for u in updates]),
+            "loss/grad_norm": mean([u.applied.grad_norm for u in updates]),
+            "optim/lr": last.lr,
+            "optim/loss_scale": last.loss_scale,
+            "optim/num_updates": float(len(updates)),
+            "optim/skipped_updates": float(sum(u.applied.skipped for u in updates)),
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/truncated_fraction": sum(s.finish_reason == "length" for s in batch.samples) / len(batch.samples),
@@ -524,11 +518,16 @@ class GrpoTrainer:
             "perf/generation_tokens_per_s": batch.num_generated_tokens / max(timings["generation"], 1e-9),
             "perf/train_tokens_per_s": num_tokens / max(timings["train"], 1e-9),
         }
+        epochs = self.cfg.grpo.ppo_epochs
+        if epochs > 1:  # the PPO clip acts from the second pass on: its clip fraction per epoch
+            per_epoch = len(updates) // epochs
+            for epoch in range(epochs):
+                chunk = updates[epoch * per_epoch:(epoch + 1) * per_epoch]
+                metrics[f"loss/pg_clipfrac_epoch{epoch + 1}"] = mean([clipfrac(u) for u in chunk])
         metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
-        correction_share = timings["correction"] / max(timings["step"], 1e-9)
-        metrics["timing/correction_fraction"] = correction_share
-        metrics.update({k: float(v) for k, v in rc_metrics.items()})
-        self.reward_history.append(metrics["reward/mean"])
+        metrics["timing/correction_fraction"] = timings["correction"] / max(timings["step"], 1e-9)
+        for key in updates[0].result.rc_metrics:
+            metrics[key] = mean([float(u.result.rc_metrics[key]) for u in updates])
         return metrics
 
     def _review(

@@ -1,10 +1,12 @@
 """Gloo worker of `test_pipeline`: one training pass of a Hugging Face Llama through Megatron's schedule.
 
 Each rank initialises Megatron's parallel state (TP x CP x PP from the arguments), builds its stage
-with `MegatronPolicy.from_hf`, scores the microbatches without gradient (`score_microbatches`), runs one
-forward/backward pass with a logprob-weighted loss (`run_microbatches`), sums gradients over CP (each CP
-rank holds part of every sequence's tokens), syncs a tied embedding's two copies, measures the global
-gradient norm, and gathers the Hugging Face weights to stage 0 the way the trainer's refit does.
+with `MegatronPolicy.from_hf`, wraps it for training (`models.optimizer`: Megatron DDP + optimizer), scores
+the microbatches without gradient (`score_microbatches`), runs one forward/backward pass with a
+logprob-weighted loss (`run_microbatches` on the DDP model), after which Megatron's `finalize_model_grads`
+has summed gradients over CP (each CP rank holds part of every sequence's tokens) and synced a tied
+embedding's two copies; gathers the Hugging Face weights to stage 0 the way the trainer's refit does, and
+takes the global gradient norm from Megatron's optimizer step.
 
 With CP > 1 every microbatch is padded to a multiple of 2 * cp and cut in Megatron's load-balanced
 layout; the next-token labels are cut from the full sequence with the same indices, and the scores
@@ -35,13 +37,9 @@ def worker(rank: int, world_size: int, hf_dir: str, microbatches: list[torch.Ten
 
     from nemo_rollout_correction.distributed.context_parallel import cp_token_indices
     from nemo_rollout_correction.distributed.groups import ParallelGroups
-    from nemo_rollout_correction.distributed.pipeline import (
-        broadcast_from_last_stage,
-        gather_weights_to_first_stage,
-        sync_tied_embedding_grads,
-    )
-    from nemo_rollout_correction.distributed.runtime import all_reduce_gradients, clip_grad_norm
+    from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage, gather_weights_to_first_stage
     from nemo_rollout_correction.models.megatron_cpu import patch_cuda_for_cpu
+    from nemo_rollout_correction.models.optimizer import OptimizerSettings, build_policy_optimizer
     from nemo_rollout_correction.models.policy import MegatronPolicy
     from nemo_rollout_correction.models.schedule import run_microbatches
 
@@ -51,6 +49,7 @@ def worker(rank: int, world_size: int, hf_dir: str, microbatches: list[torch.Ten
     try:
         groups = ParallelGroups.from_megatron()
         policy = MegatronPolicy.from_hf(hf_dir)
+        optim = build_policy_optimizer(policy.model, OptimizerSettings(lr=1e-3, grad_clip=0.0))
         # Per microbatch: inputs, labels (CP only), positions, and the loss weight of each label position.
         inputs, labels, positions, weights = [], [], [], []
         for ids in microbatches:
@@ -81,14 +80,11 @@ def worker(rank: int, world_size: int, hf_dir: str, microbatches: list[torch.Ten
                 logprobs = policy.label_logprobs(logits, label_list[index])
             return (logprobs * weights[index]).sum() / 100.0
 
-        run_microbatches(policy.model, inputs, loss, forward_only=False,
-                         position_ids=positions if cp > 1 else None)
-        params = [p for p in policy.model.parameters() if p.requires_grad]
-        all_reduce_gradients(params, groups)  # CP ranks hold partial gradients (their tokens' terms)
-        sync_tied_embedding_grads(policy.model, groups)
-        grads = {_global_name(policy.model, name): param.grad.detach().clone()
-                 for name, param in policy.model.named_parameters() if param.grad is not None}
-        norm = clip_grad_norm(params, 0.0, groups)
+        optim.zero_grad()
+        run_microbatches(optim.module, inputs, loss, forward_only=False, position_ids=positions if cp > 1 else None)
+        # DDP's fp32 gradient buffer, finalised (CP sum, tied-embedding sync) at the end of the schedule.
+        grads = {_global_name(policy.model, name): param.main_grad.detach().clone()
+                 for name, param in policy.model.named_parameters() if param.requires_grad}
         weights_iter = policy.hf_weights()  # every TP rank iterates (all-gathers); TP rank 0 sends its stage on
         exported: dict[str, torch.Tensor] = {}
         if groups.tp_rank == 0 and groups.cp_rank == 0:
@@ -96,6 +92,7 @@ def worker(rank: int, world_size: int, hf_dir: str, microbatches: list[torch.Ten
         else:
             for _ in weights_iter:
                 pass
+        norm = optim.step().grad_norm  # after the export: the exported weights are the loaded ones
         return {
             "pp_rank": groups.pp_rank, "tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank,
             "last": policy.is_last_stage, "positions": positions,

@@ -5,9 +5,10 @@ PP = 2 x TP = 2, CP = 2 (the all-gather CP attention of `models.cp_attention`, M
 token layout) and CP = 2 x PP = 2, on tied and untied Llamas:
 - the no-grad logprobs of every microbatch (vLLM's temperature/top-k replayed) are identical (CP ranks'
   pieces reassembled by their global positions);
-- every parameter's gradient equals the reference's under its global name, including both copies of
-  a tied embedding after `sync_tied_embedding_grads` (each must hold the full gradient of the matrix);
-- the global gradient norm is the same (stages summed, the tied copy counted once);
+- every parameter's gradient (Megatron DDP's buffer after `finalize_model_grads`) equals the reference's
+  under its global name, including both copies of a tied embedding (each must hold the full gradient of
+  the matrix);
+- the global gradient norm of Megatron's optimizer is the same (stages summed, the tied copy counted once);
 - the weights gathered to stage 0 for a refit are the complete Hugging Face state dict, bit-exact.
 """
 
