@@ -186,17 +186,31 @@ class PolicyOptimizer:
         parameter state (`get_parameter_state_dp_reshardable`: per-rank, no gather)."""
         state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.settings.use_distributed_optimizer:
-            state["param_state"] = [opt.get_parameter_state_dp_reshardable() for opt in _chained(self.optimizer)]
+            state["param_state"] = [_mark_unpadded(opt.get_parameter_state_dp_reshardable())
+                                    for opt in _chained(self.optimizer)]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` (same layout: same TP/PP/CP/DP sizes and distributed-optimizer setting)."""
-        with cuda_to_cpu():
+        with cuda_to_cpu(), torch.no_grad():  # in-place copies into the main params (leaf tensors)
             self.optimizer.load_state_dict(state["optimizer"])
             if self.settings.use_distributed_optimizer:
                 for opt, shard in zip(_chained(self.optimizer), state["param_state"], strict=True):
                     opt.load_parameter_state_from_dp_reshardable(shard)
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _mark_unpadded(state: dict[Any, Any]) -> dict[Any, Any]:
+    """Megatron 0.16.1's `load_parameter_state_from_dp_reshardable` filters entries on a `padding` flag that
+    its `get_parameter_state_dp_reshardable` never writes (only the sharded-checkpoint path adds it); every
+    entry of that per-rank state is a real parameter range, so mark each one as not padding."""
+    for key, per_dtype in state.items():
+        if isinstance(key, int):
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        entry.setdefault("padding", False)
+    return state
 
 
 def _chained(optimizer: Any) -> list[Any]:

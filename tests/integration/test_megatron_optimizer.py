@@ -1,0 +1,160 @@
+"""Megatron-Core training machinery on gloo: DDP, the (distributed) optimizer, precision, LR schedule, resume.
+
+Real Megatron (`DistributedDataParallel`, `get_megatron_optimizer`, `finalize_model_grads`,
+`OptimizerParamScheduler`) on a tiny random Llama, real gloo process groups (`dist_harness`):
+
+- DP=2 with the distributed optimizer equals DP=1 over 2 steps: loss, grad norm and every weight after each
+  step within 1e-5 relative in fp32 (also with 2 mini-batches per step: global per-mini-batch
+  denominators); in bf16 within the tolerance documented at `BF16_RTOL`;
+- bf16: the optimizer's main params are fp32 while the model's linear weights are bf16; fp16 runs 2 steps
+  with a finite loss and Megatron's loss scale;
+- the updates equal the trainer's former optimizer (torch AdamW on the bare model with torch clipping);
+- the LR follows Megatron's warmup + linear/cosine decay formulas;
+- with 2 PPO epochs on a seeded batch the clip acts in the second epoch only;
+- a checkpoint (trainer.checkpoint with Megatron's optimizer state) resumes exactly without the distributed
+  optimizer (with it: an open gap, marked xfail).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs the megatron extra")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+import dist_harness
+import optimizer_worker
+
+from nemo_rollout_correction.models.sources import TINY_LLAMA_BUILTIN, tiny_llama_dir
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+
+FP32_RTOL = 1e-5
+# bf16 at DP=2 vs DP=1: the gradients are reduced in fp32 (grad_reduce_in_fp32) but the two layouts run the
+# bf16 forward/backward on different microbatch groupings, so every bf16 activation rounds differently; the
+# fp32 main weights then move by slightly different Adam steps. Measured on this machine: weights within
+# 2e-3 relative (bf16 has 8 mantissa bits: one ulp is 3.9e-3), loss within 1e-2 relative.
+BF16_RTOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "tiny", **TINY_LLAMA_BUILTIN))
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=1e-7)
+
+
+def _assert_same_training(one: dict[str, Any], two: list[dict[str, Any]], rtol: float, atol: float) -> None:
+    for rank in two:
+        assert len(rank["updates"]) == len(one["updates"])
+        for a, b in zip(one["updates"], rank["updates"], strict=True):
+            assert _close(a["loss"], b["loss"], rtol), (a, b)
+            assert _close(a["grad_norm"], b["grad_norm"], rtol), (a, b)
+        for step, (wa, wb) in enumerate(zip(one["weights"], rank["weights"], strict=True)):
+            for name, tensor in wa.items():
+                _assert_weights_close(wb[name], tensor, rtol, atol, f"{name} after step {step}")
+
+
+def _assert_weights_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
+    """Relative to the tensor's scale (its largest element), not element by element: Adam moves an element
+    whose gradient is ~0 by up to lr in the direction of that gradient's sign, so the few near-zero
+    gradients that differ by summation order between layouts show up at elements of unrelated size."""
+    scale = float(want.abs().max())
+    worst = float((got - want).abs().max())
+    assert worst <= atol + rtol * scale, f"{what}: max |diff| {worst:.3g} > {atol:g} + {rtol:g} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("num_mini_batches", [1, 2])
+def test_dp2_distributed_optimizer_equals_dp1_fp32(hf_dir: str, num_mini_batches: int) -> None:
+    (one,) = dist_harness.launch(optimizer_worker.train, 1, hf_dir, "float32", False, 2, num_mini_batches,
+                                 timeout=300.0)
+    two = dist_harness.launch(optimizer_worker.train, 2, hf_dir, "float32", True, 2, num_mini_batches,
+                              timeout=300.0)
+    assert len(one["updates"]) == 2 * num_mini_batches
+    assert one["updates"][0]["grad_norm"] > 0 and one["updates"][0]["loss"] != 0.0
+    changed = [not torch.equal(a, b) for a, b in zip(one["weights"][0].values(), one["weights"][1].values())]
+    assert any(changed), "the second step must move the weights"
+    _assert_same_training(one, two, FP32_RTOL, 1e-7)
+
+
+def test_bf16_keeps_fp32_main_params_and_dp2_matches_dp1(hf_dir: str) -> None:
+    (one,) = dist_harness.launch(optimizer_worker.train, 1, hf_dir, "bfloat16", False, 2, timeout=300.0)
+    two = dist_harness.launch(optimizer_worker.train, 2, hf_dir, "bfloat16", True, 2, timeout=300.0)
+    for result in (one, *two):
+        assert result["main_dtypes"] == {torch.float32}
+        linear = {n: d for n, d in result["model_dtypes"].items() if n.endswith(("linear_qkv.weight", "linear_fc1.weight",
+                                                                                 "word_embeddings.weight"))}
+        assert linear and set(linear.values()) == {torch.bfloat16}
+    _assert_same_training(one, two, BF16_RTOL, 1e-4)
+
+
+def test_fp16_runs_with_megatrons_loss_scaler(hf_dir: str) -> None:
+    (one,) = dist_harness.launch(optimizer_worker.train, 1, hf_dir, "float16", False, 2, timeout=300.0)
+    assert one["main_dtypes"] == {torch.float32}
+    assert {d for n, d in one["model_dtypes"].items() if n.endswith("linear_fc1.weight")} == {torch.float16}
+    for update in one["updates"]:
+        assert math.isfinite(update["loss"]) and update["loss"] != 0.0
+        assert update["loss_scale"] > 1.0  # Megatron's dynamic scaler (starts at 2**16)
+    assert sum(u["skipped"] for u in one["updates"]) < len(one["updates"])
+    assert not torch.equal(one["weights"][0]["decoder.layers.0.mlp.linear_fc1.weight"],
+                           one["weights"][1]["decoder.layers.0.mlp.linear_fc1.weight"])
+
+
+def test_updates_equal_the_former_torch_adamw_path(hf_dir: str) -> None:
+    (result,) = dist_harness.launch(optimizer_worker.versus_torch_adamw, 1, hf_dir, 2, timeout=300.0)
+    assert result["megatron"][0]["grad_norm"] > 0.5, "the first update is clipped (grad_clip=0.5)"
+    for megatron, former in zip(result["megatron"], result["torch"], strict=True):
+        assert _close(megatron["grad_norm"], former["grad_norm"], FP32_RTOL)
+        for name, tensor in former["weights"].items():
+            _assert_weights_close(megatron["weights"][name], tensor, FP32_RTOL, 1e-7, name)
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
+def test_lr_follows_warmup_and_decay(hf_dir: str, style: str) -> None:
+    warmup, total, lr, min_lr = 3, 10, 1e-3, 1e-4
+    (used,) = dist_harness.launch(optimizer_worker.lr_schedule, 1, hf_dir, style, warmup, total, timeout=300.0)
+    for k, got in enumerate(used):  # update k (from 0) uses lr(k), as in Megatron-LM
+        if k <= warmup:
+            want = lr * k / warmup
+        elif style == "constant":
+            want = lr
+        else:
+            ratio = (k - warmup) / (total - warmup)
+            coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+            want = min_lr + coeff * (lr - min_lr)
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (k, got, want)
+
+
+def test_second_ppo_epoch_clips(hf_dir: str) -> None:
+    (epochs,) = dist_harness.launch(optimizer_worker.ppo_epochs, 1, hf_dir, 2, 3e-2, timeout=300.0)
+    assert epochs[0]["clipfrac"] == 0.0, "the first update runs at ratio 1 (old_logprobs = current policy)"
+    assert epochs[1]["clipfrac"] > 0.0, "after one update on the same rollouts the PPO clip acts"
+
+
+@pytest.mark.parametrize(("dtype", "world", "distributed_optimizer"), [
+    ("float32", 1, False),
+    ("bfloat16", 1, False),
+    # Open: after the reload the distributed optimizer's main params, Adam moments and step compare equal
+    # to the saved ones, and the next loss and grad norm are identical, yet the weights after that update
+    # differ by up to ~3e-4 (two fresh runs in one process agree exactly). Not yet explained.
+    pytest.param("bfloat16", 2, True, marks=pytest.mark.xfail(strict=True, reason="distributed-optimizer "
+                                                                "resume not yet bit-exact (see comment)")),
+])
+def test_checkpoint_resumes_exactly(hf_dir: str, tmp_path: Path, dtype: str, world: int,
+                                    distributed_optimizer: bool) -> None:
+    ranks = dist_harness.launch(optimizer_worker.resume, world, hf_dir, dtype, distributed_optimizer,
+                                str(tmp_path), timeout=300.0)
+    for result in ranks:
+        assert result["straight"][0] == result["resumed"][0]
+        assert result["straight"][1] == result["resumed"][1]
+        for name, tensor in result["straight_weights"].items():
+            assert torch.equal(result["resumed_weights"][name], tensor), name
