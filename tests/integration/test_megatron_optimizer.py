@@ -81,7 +81,8 @@ def test_dp2_distributed_optimizer_equals_dp1_fp32(hf_dir: str, num_mini_batches
                               timeout=300.0)
     assert len(one["updates"]) == 2 * num_mini_batches
     assert one["updates"][0]["grad_norm"] > 0 and one["updates"][0]["loss"] != 0.0
-    changed = [not torch.equal(a, b) for a, b in zip(one["weights"][0].values(), one["weights"][1].values())]
+    first, second = one["weights"]
+    changed = [not torch.equal(first[name], second[name]) for name in first]
     assert any(changed), "the second step must move the weights"
     _assert_same_training(one, two, FP32_RTOL, 1e-7)
 
@@ -91,8 +92,8 @@ def test_bf16_keeps_fp32_main_params_and_dp2_matches_dp1(hf_dir: str) -> None:
     two = dist_harness.launch(optimizer_worker.train, 2, hf_dir, "bfloat16", True, 2, timeout=300.0)
     for result in (one, *two):
         assert result["main_dtypes"] == {torch.float32}
-        linear = {n: d for n, d in result["model_dtypes"].items() if n.endswith(("linear_qkv.weight", "linear_fc1.weight",
-                                                                                 "word_embeddings.weight"))}
+        matrices = ("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight")
+        linear = {n: d for n, d in result["model_dtypes"].items() if n.endswith(matrices)}
         assert linear and set(linear.values()) == {torch.bfloat16}
     _assert_same_training(one, two, BF16_RTOL, 1e-4)
 
