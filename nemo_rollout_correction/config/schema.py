@@ -143,7 +143,7 @@ class PolicyConfig:
     context_parallel_size: int = _f(1, "Megatron context-parallel size (CP).")
     micro_batch_size: int = _f(8, "Sequences per microbatch on one data-parallel rank.")
     lr: float = _f(3e-5, "Adam learning rate.")
-    weight_decay: float = _f(0.0, "Decoupled (AdamW) weight decay.")
+    weight_decay: float = _f(0.0, "Decoupled Adam weight decay (Megatron: not on biases and norm weights).")
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.999, "Adam beta2.")
     adam_eps: float = _f(1e-8, "Adam epsilon.")
