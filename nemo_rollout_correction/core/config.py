@@ -111,7 +111,8 @@ class RolloutCorrectionConfig:
     current logprobs, AReaL's prox_logp_method=loglinear; no pass)."""
 
     loglinear_check_every: int = 0
-    """With old_logprob_source=loglinear: also run the forward every N steps and log the approximation error; 0 never."""
+    """With old_logprob_source=loglinear: also run the forward every N steps and log the approximation error
+    (0: never)."""
 
     loss_type: LossType = "ppo_clip"
     """Policy loss: `ppo_clip`, or `reinforce` (with bypass_mode: pure IS, -sg(w) * A * log pi_theta, no clipping)."""

@@ -228,7 +228,7 @@ def _forward_in_fp32(layer: nn.Module) -> None:
         w = weight if weight is not None else layer.weight
         return original(input_.float(), weight=w.float(), runtime_gather_output=runtime_gather_output)
 
-    layer.forward = forward  # type: ignore[method-assign]
+    layer.forward = forward
 
 
 __all__ = ["MegatronPolicy", "parse_dtype"]

@@ -211,7 +211,8 @@ class VllmRolloutEngine:
             reason = batch_invariant_unsupported_reason()
             if reason is not None:
                 raise RolloutEngineError(f"rollout.batch_invariant=true cannot be honoured: {reason}. "
-                                         "Set rollout.batch_invariant=false, or run on a GPU with a vLLM that has the mode.")
+                                         "Set rollout.batch_invariant=false, or run on a GPU with a vLLM that has "
+                                         "the mode.")
             # Read by vLLM's envs module at engine start and inherited by its worker processes.
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
         _configure_cpu_env(options)
@@ -349,11 +350,11 @@ class VllmRolloutEngine:
 
 __all__ = [
     "ROLLOUT_DTYPES",
-    "batch_invariant_unsupported_reason",
     "EngineOptions",
     "RolloutBatch",
     "RolloutEngineError",
     "RolloutSample",
     "SamplingOptions",
     "VllmRolloutEngine",
+    "batch_invariant_unsupported_reason",
 ]

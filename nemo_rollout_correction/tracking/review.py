@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .mlflow_tracker import MlflowTracker
 from .arrays import as_1d, same_length
+from .mlflow_tracker import MlflowTracker
 from .plots import (
     plot_is_weight_histogram,
     plot_mismatch_by_position,

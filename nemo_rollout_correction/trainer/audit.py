@@ -416,9 +416,9 @@ __all__ = [
     "format_comparison",
     "format_report",
     "generate",
-    "rescore",
     "logprob_diff",
     "preset_effects",
+    "rescore",
     "run_audit",
     "worst_sequences",
 ]

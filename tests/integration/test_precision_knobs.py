@@ -113,3 +113,44 @@ def test_float16_engine_generates_and_its_mismatch_is_measurable(megatron_state:
     max_diff, mean_diff = logprob_diff(data)
     # fp16 keeps 10 mantissa bits (bf16: 7): a real but small mismatch against the fp32 trainer
     assert 1e-5 < max_diff < 0.1, (max_diff, mean_diff)
+
+
+def test_audit_settings_grid_and_its_validation() -> None:
+    from nemo_rollout_correction.config import ConfigError, load_config
+    from nemo_rollout_correction.trainer.audit import audit_settings
+
+    cfg = load_config(["audit.engine_dtypes=[float32,bfloat16,float16]", "audit.trainer_dtypes=[float32,bfloat16]",
+                       "audit.lm_head_fp32=[false,true]"])
+    engines, trainers = audit_settings(cfg)
+    assert engines == ["float32", "bfloat16", "float16"]
+    # an fp32 LM head under an fp32 trainer is the fp32 trainer: compared once
+    assert trainers == [("float32", False), ("bfloat16", False), ("bfloat16", True)]
+    default = load_config([])
+    assert audit_settings(default) == (["float32"], [("float32", False)])
+    legacy = load_config(["audit.compare_dtypes=true", "rollout.dtype=bfloat16", "policy.lm_head_fp32=true",
+                          "model.dtype=bfloat16"])
+    assert audit_settings(legacy) == (["bfloat16", "float32"], [("bfloat16", True)])
+    with pytest.raises(ConfigError, match=r"audit.engine_dtypes\[1\]='fp8' is not allowed"):
+        load_config(["audit.engine_dtypes=[float32,fp8]"])
+    with pytest.raises(ConfigError, match=r"audit.trainer_dtypes\[0\]='half' is not allowed"):
+        load_config(["audit.trainer_dtypes=[half]"])
+    assert load_config(["rollout.batch_invariant=true"]).rollout.batch_invariant is True
+
+
+def test_format_comparison_lists_every_setting() -> None:
+    from nemo_rollout_correction.trainer.audit import AuditReport, format_comparison
+
+    def report(engine: str, trainer: str, head: bool, diff: float, kl: float) -> AuditReport:
+        metrics = {"rollout_corr/kl": kl, "rollout_corr/k3_kl": kl / 2}
+        return AuditReport(model="m", rollout_dtype=engine, num_sequences=4, num_tokens=100, max_abs_logprob_diff=diff,
+                           mean_abs_logprob_diff=diff / 10, metrics=metrics, presets={}, worst=[], seconds={},
+                           trainer_dtype=trainer, lm_head_fp32=head)
+
+    table = format_comparison([report("float32", "float32", False, 6.5e-5, 1e-8),
+                               report("bfloat16", "bfloat16", True, 0.4, 2.6e-3)])
+    lines = table.splitlines()
+    assert lines[1].split() == ["engine", "trainer", "lm_head_fp32", "max", "|diff|", "mean", "|diff|", "kl", "k3_kl",
+                                "tokens"]
+    assert lines[2].split()[:5] == ["float32", "float32", "false", "6.500e-05", "6.500e-06"]
+    assert lines[3].split() == ["bfloat16", "bfloat16", "true", "4.000e-01", "4.000e-02", "2.600e-03", "1.300e-03",
+                                "100"]

@@ -58,7 +58,8 @@ def test_shape_mismatch_is_a_clear_error() -> None:
         loglinear_old_logprobs(torch.zeros(2, 3), torch.zeros(2, 4), 0.5)
 
 
-def _trainer_logprobs(v: float, tokens: torch.Tensor, z0: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+def _trainer_logprobs(v: float, tokens: torch.Tensor, z0: torch.Tensor, d1: torch.Tensor,
+                      d2: torch.Tensor) -> torch.Tensor:
     """f(v): a toy policy whose logits move along a quadratic path in the version v (float64)."""
     logits = z0 + v * d1 + v * v * d2
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
