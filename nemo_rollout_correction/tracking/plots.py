@@ -277,8 +277,9 @@ def figure_mismatch_by_position(positions: Any, trainer_logprobs: Any, rollout_l
         top.plot(centers[has], mean[has], color="tab:red", marker="o", ms=3, lw=1.5, label="mean")
         top.plot(centers[has], p90[has], color="tab:purple", lw=1.0, ls="--", label="90th percentile")
         top.plot(centers[has], peak[has], color="tab:gray", lw=0.8, ls=":", label="max")
-        top.set_ylim(bottom=0.0, top=max(float(np.nanmax(peak)) * 1.1, 1e-300))
-        top.legend(fontsize=8, loc="upper left")
+        # headroom above the max line for a one-row legend, so it never covers a spike
+        top.set_ylim(bottom=0.0, top=max(float(np.nanmax(peak)) * 1.35, 1e-300))
+        top.legend(fontsize=8, loc="upper left", ncol=3)
         bottom.bar(centers, count, width=width * 0.9, color="tab:blue")
         label = "response position (token index)" + (f", bins of {width}" if width > 1 else "")
     else:
@@ -341,6 +342,9 @@ def plot_reward_curve(
     if std is not None:
         s = arrays["std"]
         ax.fill_between(x, y - s, y + s, color="tab:green", alpha=0.2, label="+- std")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are integers: no 1.2, 1.4 ticks
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title(title or "reward")
