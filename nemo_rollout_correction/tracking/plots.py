@@ -345,6 +345,8 @@ def plot_reward_curve(
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are integers: no 1.2, 1.4 ticks
+    if x.size == 1:  # one point: give the locator whole steps on both sides to tick
+        ax.set_xlim(float(x[0]) - 1.0, float(x[0]) + 1.0)
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title(title or "reward")
