@@ -136,7 +136,10 @@ def figure_mismatch_vs_length(
     if dropped:
         ax.text(0.99, 0.01, f"{dropped} non-finite dropped", ha="right", va="bottom", fontsize=8,
                 transform=ax.transAxes)
+    from matplotlib.ticker import MaxNLocator
+
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3), useOffset=False)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # lengths are whole tokens
     ax.set_xlabel("response length (tokens)")
     ax.set_ylabel(mismatch_label)
     ax.set_title(title or f"{mismatch_label} vs response length")
