@@ -26,7 +26,7 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None) -> int
         print(f"nrc audit: configuration error: {exc}", file=sys.stderr)
         return 2
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
-    from nemo_rollout_correction.trainer.audit import format_report, run_audit
+    from nemo_rollout_correction.trainer.audit import format_comparison, format_report, run_audit
 
     runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
                            cfg.policy.context_parallel_size)
@@ -49,6 +49,8 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None) -> int
         for report in reports:
             print(format_report(report))
             print()
+        if len(reports) > 1:
+            print(format_comparison(reports))
         if json_path:
             Path(json_path).write_text(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
         if tracker is not None:

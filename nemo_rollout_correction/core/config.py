@@ -18,6 +18,7 @@ IsLevel = Literal["token", "sequence", "geometric"]
 IsMode = Literal["truncate", "mask"]
 LossType = Literal["ppo_clip", "reinforce"]
 NonFinitePolicy = Literal["raise", "mask_token", "reject_sequence"]
+OldLogprobSource = Literal["forward", "loglinear"]
 RsStatistic = Literal["k1", "k2", "k3"]
 RsGranularity = Literal["token", "seq_sum", "seq_mean", "seq_max"]
 
@@ -25,6 +26,7 @@ IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
 IS_MODES: tuple[str, ...] = get_args(IsMode)
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 NONFINITE_POLICIES: tuple[str, ...] = get_args(NonFinitePolicy)
+OLD_LOGPROB_SOURCES: tuple[str, ...] = get_args(OldLogprobSource)
 
 # Every rejection criterion we accept: granularity x statistic. A k1 maximum is not offered
 # (its two-sided ratio bound has no single "worst token"); use token_k1 or the veto instead.
@@ -103,6 +105,15 @@ class RolloutCorrectionConfig:
     bypass_mode: bool = False
     """Bypass: no old-logprob recompute; PPO clips against pi_rollout (pass the current logprobs as old_logprobs)."""
 
+    # ---- pi_old without a forward (core/loglinear.py) ----
+    old_logprob_source: OldLogprobSource = "forward"
+    """Decoupled mode's pi_old: `forward` (a no-grad re-scoring pass) or `loglinear` (interpolate rollout and
+    current logprobs, AReaL's prox_logp_method=loglinear; no pass)."""
+
+    loglinear_check_every: int = 0
+    """With old_logprob_source=loglinear: also run the forward every N steps and log the approximation error
+    (0: never)."""
+
     loss_type: LossType = "ppo_clip"
     """Policy loss: `ppo_clip`, or `reinforce` (with bypass_mode: pure IS, -sg(w) * A * log pi_theta, no clipping)."""
 
@@ -125,6 +136,7 @@ class RolloutCorrectionConfig:
         _check_choice("rollout_is_mode", self.rollout_is_mode, IS_MODES)
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
         _check_choice("nonfinite_policy", self.nonfinite_policy, NONFINITE_POLICIES)
+        _check_old_logprob_source(self.old_logprob_source, self.loglinear_check_every, self.bypass_mode)
         for name in ("rollout_is_two_sided", "rollout_is_batch_normalize", "bypass_mode", "metrics_only",
                      "rejected_tokens_in_denominator"):
             if not isinstance(getattr(self, name), bool):
@@ -220,6 +232,18 @@ def _check_choice(name: str, value: object, allowed: tuple[str, ...], *, allow_n
     if value not in allowed:
         options = list(allowed) + (["null"] if allow_none else [])
         raise ValueError(f"{name} must be one of {options}, got {value!r}")
+
+
+def _check_old_logprob_source(source: str, check_every: object, bypass_mode: bool) -> None:
+    _check_choice("old_logprob_source", source, OLD_LOGPROB_SOURCES)
+    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+        raise ValueError(f"loglinear_check_every must be an integer >= 0 (0: never), got {check_every!r}")
+    if source == "loglinear" and bypass_mode:
+        raise ValueError("old_logprob_source='loglinear' replaces decoupled mode's old-logprob forward; "
+                         "bypass_mode=true has no such pass: set bypass_mode=false or old_logprob_source='forward'")
+    if check_every and source != "loglinear":
+        raise ValueError(f"loglinear_check_every={check_every} only applies with old_logprob_source='loglinear' "
+                         f"(got {source!r}); set it to 0")
 
 
 def _check_positive(name: str, value: object) -> None:

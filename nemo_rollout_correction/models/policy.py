@@ -62,6 +62,8 @@ class MegatronPolicy:
     pp_size: int = 1
     is_last_stage: bool = True
     """Whether this rank holds the last pipeline stage (the output layer: logits and logprobs)."""
+    lm_head_fp32: bool = False
+    """Whether the output layer runs in fp32 (`use_fp32_lm_head`)."""
 
     @property
     def tp_size(self) -> int:
@@ -102,6 +104,23 @@ class MegatronPolicy:
         load_hf_weights(model, load_hf_state_dict(hf_dir), arch, tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp)
         group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp, is_last_stage=last)
+
+    def use_fp32_lm_head(self) -> MegatronPolicy:
+        """Compute the output layer (and so the logits and logprobs) in fp32 under a bf16/fp16 policy.
+
+        TRL's `cast_lm_head_to_fp32` idea: the final hidden states and the output weight (the tied
+        embedding, or the untied output layer) are cast to fp32 before the vocabulary projection, so the
+        logits are not rounded to 8 (bf16) mantissa bits before the softmax. The parameters stay in their
+        dtype and receive their gradients through the casts; nothing changes for an fp32 policy. Idempotent;
+        a no-op on pipeline stages without the output layer. Returns self.
+        """
+        if self.lm_head_fp32:
+            return self
+        for name, module in self.model.named_modules():
+            if name.split(".")[-1] == "output_layer":
+                _forward_in_fp32(module)
+        self.lm_head_fp32 = True
+        return self
 
     def logits(self, input_ids: Tensor) -> Tensor:
         """Vocab-sharded logits `[batch, seq, vocab / tp]` for right-padded `input_ids` `[batch, seq]`.
@@ -195,6 +214,21 @@ class MegatronPolicy:
         config["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
         (out / "config.json").write_text(json.dumps(config, indent=2))
         return out
+
+
+def _forward_in_fp32(layer: nn.Module) -> None:
+    """Wrap a Megatron ColumnParallelLinear's forward so input and weight enter the matmul as fp32.
+
+    Megatron-Core 0.16 has no per-layer precision switch for the output layer (its dtype follows
+    `params_dtype`), hence the wrapper; it keeps Megatron's own forward (TP all-gather, sequence parallel).
+    """
+    original = layer.forward
+
+    def forward(input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None) -> Any:
+        w = weight if weight is not None else layer.weight
+        return original(input_.float(), weight=w.float(), runtime_gather_output=runtime_gather_output)
+
+    layer.forward = forward
 
 
 __all__ = ["MegatronPolicy", "parse_dtype"]

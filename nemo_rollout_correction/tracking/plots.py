@@ -34,77 +34,82 @@ def _save(fig: Any, path: Path | str) -> Path:
     return out
 
 
+def _log_weights(weights: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """(log of the positive finite weights, count of zeros, count of non-finite) of a weight array."""
+    finite = np.isfinite(weights)
+    zeros = int(np.sum(weights == 0))
+    positive = weights[finite & (weights > 0)]
+    return np.log(positive), zeros, int(np.sum(~finite))
+
+
+def figure_is_weight_histogram(raw_weights: Any, applied_weights: Any, *, bins: int = 60,
+                               title: str | None = None) -> Any:
+    """The figure of `plot_is_weight_histogram` (two panels sharing the x axis: raw on top, applied below)."""
+    raw = as_1d("raw_weights", raw_weights)
+    applied = as_1d("applied_weights", applied_weights)
+    if bins < 1:
+        raise ValueError(f"bins must be >= 1, got {bins}")
+    fig = _figure(6.4, 5.2)
+    top = fig.add_subplot(2, 1, 1)
+    bottom = fig.add_subplot(2, 1, 2, sharex=top)
+    logs = [_log_weights(a) for a in (raw, applied)]
+    both = np.concatenate([values for values, _, _ in logs])
+    # The x axis is log(weight) on a LINEAR scale: a log-scaled weight axis over a narrow range (fp32 engines
+    # put every weight within 1e-6 of 1) shows a single "1" tick; a linear axis of log-ratios always gets
+    # readable ticks, and matplotlib prints the scale (e.g. "1e-6") when the values are small.
+    if both.size:
+        lo, hi = float(both.min()), float(both.max())
+        half = max(abs(lo), abs(hi), 1e-12)  # symmetric about log(w) = 0 (no mismatch)
+        edges = np.linspace(-half * 1.05, half * 1.05, bins + 1)
+    else:
+        edges = np.linspace(-1.0, 1.0, bins + 1)
+    for ax, (values, zeros, bad), data, label, color in (
+        (top, logs[0], raw, "raw (before bounds)", "tab:blue"),
+        (bottom, logs[1], applied, "applied (after truncation / masking)", "tab:orange"),
+    ):
+        extra = "".join([f", {zeros} zero" if zeros else "", f", {bad} non-finite" if bad else ""])
+        if values.size:
+            ax.hist(values, bins=edges, color=color, label=f"{label}: n={data.size}{extra}")
+            ax.set_yscale("log")  # the tails (the tokens a bound acts on) are a handful among thousands
+            ax.legend(fontsize=8, loc="upper right")
+        else:
+            ax.text(0.5, 0.5, f"{label}: no positive finite weights (n={data.size}{extra})", ha="center",
+                    va="center", fontsize=8, transform=ax.transAxes)
+        ax.axvline(0.0, color="black", lw=0.8, ls=":")
+        ax.set_ylabel("tokens (log)")
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 3), useOffset=False)
+    top.tick_params(labelbottom=False)
+    bottom.set_xlabel("log IS weight = log(pi_train / pi_rollout)   (0: no mismatch)")
+    top.set_title(title or "IS weights: raw vs applied")
+    return fig
+
+
 def plot_is_weight_histogram(
     raw_weights: Any, applied_weights: Any, path: Path | str, *, bins: int = 60, title: str | None = None
 ) -> Path:
-    """Histogram of IS weights before bounding (raw) and as applied, on a log-scale x axis.
+    """Histograms of the log IS weights before bounding (raw, top) and as applied (bottom); writes a PNG.
 
     Args:
         raw_weights: `[num_kept_tokens]` (or sequences) ratio pi_train / pi_rollout before truncation/masking.
         applied_weights: `[num_kept_tokens]` the weights that multiplied the loss.
         path: PNG to write.
-        bins: number of log-spaced bins spanning both inputs' positive finite range.
+        bins: number of equal-width bins of log(weight), symmetric about 0, shared by both panels.
 
-    Zero weights (masked by MIS) cannot sit on a log axis: they are counted in the legend instead.
+    The panels share the x axis (log weight on a linear scale) so neither histogram hides the other. Zero
+    weights (masked by MIS) and non-finite ones have no log: they are counted in the legend instead.
     """
-    raw = as_1d("raw_weights", raw_weights)
-    applied = as_1d("applied_weights", applied_weights)
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
-    fig = _figure()
-    ax = fig.add_subplot(1, 1, 1)
-    positives = [a[np.isfinite(a) & (a > 0)] for a in (raw, applied)]
-    both = np.concatenate(positives)
-    if both.size:
-        lo, hi = float(both.min()), float(both.max())
-        if lo == hi:
-            lo, hi = lo / 1.5, hi * 1.5
-        edges = np.geomspace(lo, hi, bins + 1)
-        for data, values, label, color in (
-            (raw, positives[0], "raw", "tab:blue"),
-            (applied, positives[1], "applied", "tab:orange"),
-        ):
-            zeros = int(np.sum(data == 0))
-            bad = int(np.sum(~np.isfinite(data)))
-            extra = "".join(
-                [f", {zeros} zero" if zeros else "", f", {bad} non-finite" if bad else ""]
-            )
-            ax.hist(values, bins=edges, alpha=0.55, color=color, label=f"{label} (n={data.size}{extra})")
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-        ax.set_xscale("log")
-        # Readable ticks at 1-2-5 per decade (matplotlib's minor log labels overlap on narrow ranges).
-        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.axvline(1.0, color="black", lw=0.8, ls=":")
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no positive finite weights", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("IS weight (pi_train / pi_rollout), log scale")
-    ax.set_ylabel("tokens")
-    ax.set_title(title or "IS weights: raw vs applied")
-    return _save(fig, path)
+    return _save(figure_is_weight_histogram(raw_weights, applied_weights, bins=bins, title=title), path)
 
 
-def plot_mismatch_vs_length(
+def figure_mismatch_vs_length(
     response_lengths: Any,
     mismatch: Any,
-    path: Path | str,
     *,
     mismatch_label: str = "mean |log ratio|",
     num_bins: int = 10,
     title: str | None = None,
-) -> Path:
-    """Per-sequence mismatch against response length: scatter plus the mean in equal-width length bins.
-
-    Args:
-        response_lengths: `[num_sequences]` response tokens per sequence.
-        mismatch: `[num_sequences]` per-sequence mismatch, e.g. KL(rollout || train) or mean |log ratio|.
-        path: PNG to write.
-        mismatch_label: y-axis label naming the measure.
-        num_bins: length bins of the binned-mean line.
-    """
+) -> Any:
+    """The figure of `plot_mismatch_vs_length`."""
     lengths = as_1d("response_lengths", response_lengths)
     values = as_1d("mismatch", mismatch)
     same_length(response_lengths=lengths, mismatch=values)
@@ -126,12 +131,189 @@ def plot_mismatch_vs_length(
                 means.append(float(values[sel].mean()))
         ax.plot(centers, means, color="tab:red", marker="o", lw=1.5, label="binned mean")
         ax.legend(fontsize=8)
+        if values.min() >= 0:  # a non-negative measure starts at 0 (small values must not float mid-axis)
+            ax.set_ylim(bottom=0.0, top=max(float(values.max()) * 1.1, 1e-300))
     if dropped:
         ax.text(0.99, 0.01, f"{dropped} non-finite dropped", ha="right", va="bottom", fontsize=8,
                 transform=ax.transAxes)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3), useOffset=False)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # lengths are whole tokens
     ax.set_xlabel("response length (tokens)")
     ax.set_ylabel(mismatch_label)
     ax.set_title(title or f"{mismatch_label} vs response length")
+    return fig
+
+
+def plot_mismatch_vs_length(
+    response_lengths: Any,
+    mismatch: Any,
+    path: Path | str,
+    *,
+    mismatch_label: str = "mean |log ratio|",
+    num_bins: int = 10,
+    title: str | None = None,
+) -> Path:
+    """Per-sequence mismatch against response length: scatter plus the mean in equal-width length bins.
+
+    Args:
+        response_lengths: `[num_sequences]` response tokens per sequence.
+        mismatch: `[num_sequences]` per-sequence mismatch, e.g. the k3 KL estimate or mean |log ratio|.
+        path: PNG to write.
+        mismatch_label: y-axis label naming the measure (and its estimator).
+        num_bins: length bins of the binned-mean line.
+    """
+    fig = figure_mismatch_vs_length(response_lengths, mismatch, mismatch_label=mismatch_label, num_bins=num_bins,
+                                    title=title)
+    return _save(fig, path)
+
+
+def _token_pairs(trainer_logprobs: Any, rollout_logprobs: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """(trainer, rollout) logprobs where both are finite, and how many pairs were dropped."""
+    trainer = as_1d("trainer_logprobs", trainer_logprobs)
+    rollout = as_1d("rollout_logprobs", rollout_logprobs)
+    same_length(trainer_logprobs=trainer, rollout_logprobs=rollout)
+    ok = np.isfinite(trainer) & np.isfinite(rollout)
+    return trainer[ok], rollout[ok], int((~ok).sum())
+
+
+def figure_token_probabilities(trainer_logprobs: Any, rollout_logprobs: Any, *, bins: int = 50,
+                               title: str | None = None) -> Any:
+    """The figure of `plot_token_probabilities` (two panels with colour bars)."""
+    from matplotlib.colors import LogNorm
+
+    if bins < 1:
+        raise ValueError(f"bins must be >= 1, got {bins}")
+    trainer, rollout, dropped = _token_pairs(trainer_logprobs, rollout_logprobs)
+    # a logprob a rounding above 0 would fall outside the [0, 1] bins and vanish from the count
+    p_train, p_roll = np.clip(np.exp(trainer), 0.0, 1.0), np.clip(np.exp(rollout), 0.0, 1.0)
+    fig = _figure(11.0, 4.6)
+    left = fig.add_subplot(1, 2, 1)
+    right = fig.add_subplot(1, 2, 2)
+    note = f"n={p_train.size} tokens" + (f", {dropped} non-finite dropped" if dropped else "")
+    if p_train.size:
+        edges = np.linspace(0.0, 1.0, bins + 1)
+        counts, _, _ = np.histogram2d(p_roll, p_train, bins=(edges, edges))
+        image = left.pcolormesh(edges, edges, np.where(counts > 0, counts, np.nan).T, cmap="viridis",
+                                norm=LogNorm(vmin=1, vmax=max(float(counts.max()), 1.0)))
+        fig.colorbar(image, ax=left, label="tokens (log)")
+        diff = p_train - p_roll
+        half = max(float(np.abs(diff).max()), 1e-12) * 1.05
+        diff_edges = np.linspace(-half, half, bins + 1)
+        counts2, _, _ = np.histogram2d(p_roll, diff, bins=(edges, diff_edges))
+        image2 = right.pcolormesh(edges, diff_edges, np.where(counts2 > 0, counts2, np.nan).T, cmap="viridis",
+                                  norm=LogNorm(vmin=1, vmax=max(float(counts2.max()), 1.0)))
+        fig.colorbar(image2, ax=right, label="tokens (log)")
+        # NeMo-RL's token_mult_prob_error: mean exp(|log p_train - log p_rollout|) (1: identical)
+        mult = float(np.mean(np.exp(np.abs(trainer - rollout))))
+        pearson = float(np.corrcoef(p_roll, p_train)[0, 1]) if p_train.size > 1 and np.std(p_roll) > 0 \
+            and np.std(p_train) > 0 else float("nan")
+        note += f"\nmult. prob error {mult:.6g}, Pearson r {pearson:.6f}"
+    else:
+        for ax in (left, right):
+            ax.text(0.5, 0.5, "no finite token pairs", ha="center", va="center", transform=ax.transAxes)
+    left.plot([0, 1], [0, 1], color="gray", lw=0.6, ls="--", zorder=0)
+    left.set_xlim(0, 1)
+    left.set_ylim(0, 1)
+    left.set_aspect("equal")
+    left.set_xlabel("rollout probability (vLLM)")
+    left.set_ylabel("trainer probability (Megatron)")
+    left.set_title("trainer vs rollout probability per token")
+    left.text(0.02, 0.98, note, ha="left", va="top", fontsize=7, transform=left.transAxes,
+              bbox={"facecolor": "white", "edgecolor": "lightgray", "alpha": 0.9})
+    right.axhline(0.0, color="gray", lw=0.6, ls="--", zorder=0)
+    right.set_xlim(0, 1)
+    right.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3), useOffset=False)
+    right.set_xlabel("rollout probability (vLLM)")
+    right.set_ylabel("trainer - rollout probability")
+    right.set_title("probability error per token")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def plot_token_probabilities(trainer_logprobs: Any, rollout_logprobs: Any, path: Path | str, *, bins: int = 50,
+                             title: str | None = None) -> Path:
+    """NeMo-RL's token-probability view: 2-D histograms of the sampled tokens' probabilities; writes a PNG.
+
+    Left: trainer probability against rollout probability (a perfect engine puts every token on the
+    diagonal). Right: their difference against the rollout probability (the scale the left panel cannot
+    show when the engines nearly agree). Colour is the token count on a log scale; the note gives NeMo-RL's
+    multiplicative probability error mean(exp|log p_train - log p_rollout|) and the Pearson correlation.
+
+    Args:
+        trainer_logprobs / rollout_logprobs: `[num_tokens]` logprob of each sampled response token under the
+            trainer and as the rollout engine reported it. Pairs with a non-finite value are dropped and counted.
+        path: PNG to write.
+        bins: bins per axis.
+    """
+    return _save(figure_token_probabilities(trainer_logprobs, rollout_logprobs, bins=bins, title=title), path)
+
+
+def figure_mismatch_by_position(positions: Any, trainer_logprobs: Any, rollout_logprobs: Any, *,
+                                max_bins: int = 64, title: str | None = None) -> Any:
+    """The figure of `plot_mismatch_by_position` (mismatch on top, token count below, shared x axis)."""
+    pos = as_1d("positions", positions)
+    trainer = as_1d("trainer_logprobs", trainer_logprobs)
+    rollout = as_1d("rollout_logprobs", rollout_logprobs)
+    same_length(positions=pos, trainer_logprobs=trainer, rollout_logprobs=rollout)
+    if max_bins < 1:
+        raise ValueError(f"max_bins must be >= 1, got {max_bins}")
+    ok = np.isfinite(pos) & np.isfinite(trainer) & np.isfinite(rollout)
+    pos, abs_lr, dropped = pos[ok], np.abs(trainer[ok] - rollout[ok]), int((~ok).sum())
+    fig = _figure(6.4, 5.2)
+    top = fig.add_subplot(2, 1, 1)
+    bottom = fig.add_subplot(2, 1, 2, sharex=top)
+    if pos.size:
+        # One bin per position up to max_bins positions; longer responses share equal-width bins.
+        last = int(pos.max())
+        width = max(1, int(np.ceil((last + 1) / max_bins)))
+        which = (pos // width).astype(np.int64)
+        num = int(which.max()) + 1
+        centers = (np.arange(num) + 0.5) * width - 0.5
+        count = np.bincount(which, minlength=num)
+        mean = np.bincount(which, weights=abs_lr, minlength=num) / np.maximum(count, 1)
+        p90 = np.array([np.quantile(abs_lr[which == b], 0.9) if count[b] else np.nan for b in range(num)])
+        peak = np.array([abs_lr[which == b].max() if count[b] else np.nan for b in range(num)])
+        has = count > 0
+        top.plot(centers[has], mean[has], color="tab:red", marker="o", ms=3, lw=1.5, label="mean")
+        top.plot(centers[has], p90[has], color="tab:purple", lw=1.0, ls="--", label="90th percentile")
+        top.plot(centers[has], peak[has], color="tab:gray", lw=0.8, ls=":", label="max")
+        # headroom above the max line for a one-row legend, so it never covers a spike
+        top.set_ylim(bottom=0.0, top=max(float(np.nanmax(peak)) * 1.35, 1e-300))
+        top.legend(fontsize=8, loc="upper left", ncol=3)
+        bottom.bar(centers, count, width=width * 0.9, color="tab:blue")
+        label = "response position (token index)" + (f", bins of {width}" if width > 1 else "")
+    else:
+        top.text(0.5, 0.5, "no finite tokens", ha="center", va="center", transform=top.transAxes)
+        label = "response position (token index)"
+    if dropped:
+        top.text(0.99, 0.98, f"{dropped} non-finite dropped", ha="right", va="top", fontsize=8,
+                 transform=top.transAxes)
+    top.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3), useOffset=False)
+    top.set_ylabel("|log p_train - log p_rollout|")
+    top.tick_params(labelbottom=False)
+    bottom.set_ylabel("tokens")
+    bottom.set_xlabel(label)
+    top.set_title(title or "mismatch by token position")
+    return fig
+
+
+def plot_mismatch_by_position(positions: Any, trainer_logprobs: Any, rollout_logprobs: Any, path: Path | str, *,
+                              max_bins: int = 64, title: str | None = None) -> Path:
+    """Token mismatch |log p_train - log p_rollout| by position in the response (mean, p90, max); writes a PNG.
+
+    Args:
+        positions: `[num_tokens]` 0-based index of each token in its response.
+        trainer_logprobs / rollout_logprobs: `[num_tokens]` the token's logprob under the trainer and the engine.
+        path: PNG to write.
+        max_bins: at most this many position bins (one per position when responses are shorter).
+
+    The lower panel counts the tokens per position: late positions exist only in long responses, so their
+    statistics rest on fewer tokens.
+    """
+    fig = figure_mismatch_by_position(positions, trainer_logprobs, rollout_logprobs, max_bins=max_bins, title=title)
     return _save(fig, path)
 
 
@@ -163,6 +345,11 @@ def plot_reward_curve(
     if std is not None:
         s = arrays["std"]
         ax.fill_between(x, y - s, y + s, color="tab:green", alpha=0.2, label="+- std")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are integers: no 1.2, 1.4 ticks
+    if x.size == 1:  # one point: give the locator whole steps on both sides to tick
+        ax.set_xlim(float(x[0]) - 1.0, float(x[0]) + 1.0)
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title(title or "reward")

@@ -7,8 +7,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .arrays import as_1d, same_length
 from .mlflow_tracker import MlflowTracker
-from .plots import plot_is_weight_histogram, plot_mismatch_vs_length, plot_reward_curve
+from .plots import (
+    plot_is_weight_histogram,
+    plot_mismatch_by_position,
+    plot_mismatch_vs_length,
+    plot_reward_curve,
+    plot_token_probabilities,
+)
 from .tables import SequenceReview, write_worst_sequences
 
 logger = logging.getLogger("nemo_rollout_correction.tracking")
@@ -16,6 +23,9 @@ logger = logging.getLogger("nemo_rollout_correction.tracking")
 IS_HISTOGRAM = "is_weights.png"
 MISMATCH_VS_LENGTH = "mismatch_vs_length.png"
 REWARD_CURVE = "reward.png"
+TOKEN_PROBABILITIES = "token_probabilities.png"
+MISMATCH_BY_POSITION = "mismatch_by_position.png"
+KL_LABEL = "KL(rollout || train) per token, k3 estimator"
 WORST_SEQUENCES = "worst_sequences.parquet"
 
 
@@ -26,6 +36,28 @@ class RewardHistory:
     steps: Any
     mean: Any
     std: Any | None = None
+
+
+@dataclass(frozen=True)
+class TokenReview:
+    """Per-token data of one step's response tokens, each `[num_tokens]` (one entry per response token).
+
+    trainer_logprobs: the trainer's logprob of the sampled token (old_logprobs, or the loss pass's in bypass
+    mode); rollout_logprobs: the engine's; positions: 0-based index of the token in its response.
+    """
+
+    trainer_logprobs: Any
+    rollout_logprobs: Any
+    positions: Any
+
+    @classmethod
+    def create(cls, *, trainer_logprobs: Any, rollout_logprobs: Any, positions: Any) -> TokenReview:
+        """Convert to 1-D float64 arrays and check the lengths agree."""
+        arrays = {name: as_1d(name, value) for name, value in
+                  (("trainer_logprobs", trainer_logprobs), ("rollout_logprobs", rollout_logprobs),
+                   ("positions", positions))}
+        same_length(**arrays)
+        return cls(**arrays)
 
 
 def review_dir_name(step: int) -> str:
@@ -41,6 +73,7 @@ def write_review_artifacts(
     applied_is_weights: Any,
     sequences: SequenceReview,
     rewards: RewardHistory | None = None,
+    tokens: TokenReview | None = None,
     top_k: int = 16,
     sort_by: str = "max_abs_log_ratio",
     mismatch: str = "kl",
@@ -51,8 +84,10 @@ def write_review_artifacts(
         raw_is_weights / applied_is_weights: `[num_kept_tokens]` IS weights before bounding and as applied.
         sequences: per-sequence data of the step (`[num_sequences]` each).
         rewards: reward history for the curve (skipped when None).
+        tokens: per-token logprobs for the token-probability and by-position plots (skipped when None).
         top_k / sort_by: worst-sequences table size (0: no table) and ranking key (see tables.SORT_KEYS).
-        mismatch: y of the length plot: "kl" or "mean_abs_log_ratio" (|seq log-ratio sum| / length).
+        mismatch: y of the length plot: "kl" (`sequences.kl`, the per-token k3 estimate of KL(rollout || train),
+            non-negative) or "mean_abs_log_ratio" (|seq log-ratio sum| / length).
     """
     import numpy as np
 
@@ -61,7 +96,7 @@ def write_review_artifacts(
     plot_is_weight_histogram(raw_is_weights, applied_is_weights, directory / IS_HISTOGRAM,
                              title=f"IS weights, step {step}")
     if mismatch == "kl":
-        y, label = sequences.kl, "per-sequence KL"
+        y, label = sequences.kl, KL_LABEL
     elif mismatch == "mean_abs_log_ratio":
         lengths = np.maximum(sequences.response_lengths, 1)
         y, label = np.abs(sequences.seq_log_ratio_sum) / lengths, "|seq log ratio| / length"
@@ -71,6 +106,11 @@ def write_review_artifacts(
                             title=f"{label} vs length, step {step}")
     if rewards is not None:
         plot_reward_curve(rewards.steps, rewards.mean, directory / REWARD_CURVE, std=rewards.std)
+    if tokens is not None:
+        plot_token_probabilities(tokens.trainer_logprobs, tokens.rollout_logprobs, directory / TOKEN_PROBABILITIES,
+                                 title=f"token probabilities, step {step}")
+        plot_mismatch_by_position(tokens.positions, tokens.trainer_logprobs, tokens.rollout_logprobs,
+                                  directory / MISMATCH_BY_POSITION, title=f"mismatch by token position, step {step}")
     if top_k > 0:  # tracking.worst_sequences=0 turns the table off
         write_worst_sequences(sequences, step, directory / WORST_SEQUENCES, top_k=top_k, sort_by=sort_by)
     return directory
@@ -84,6 +124,7 @@ def log_review_artifacts(
     applied_is_weights: Any,
     sequences: SequenceReview,
     rewards: RewardHistory | None = None,
+    tokens: TokenReview | None = None,
     top_k: int = 16,
     sort_by: str = "max_abs_log_ratio",
     mismatch: str = "kl",
@@ -105,6 +146,7 @@ def log_review_artifacts(
             applied_is_weights=applied_is_weights,
             sequences=sequences,
             rewards=rewards,
+            tokens=tokens,
             top_k=top_k,
             sort_by=sort_by,
             mismatch=mismatch,

@@ -88,6 +88,14 @@ class AuditReport:
     presets: dict[str, dict[str, float]]
     worst: list[dict[str, Any]]
     seconds: dict[str, float]
+    trainer_dtype: str = "float32"
+    lm_head_fp32: bool = False
+
+    @property
+    def setting(self) -> str:
+        """`engine <dtype> / trainer <dtype>[ + fp32 lm_head]`: the compared setting, for tables and logs."""
+        head = " + fp32 lm_head" if self.lm_head_fp32 else ""
+        return f"engine {self.rollout_dtype} / trainer {self.trainer_dtype}{head}"
 
     def flat_metrics(self) -> dict[str, float]:
         """Everything numeric, flattened for MLflow (`audit/...` and `rollout_corr/...` keys)."""
@@ -104,26 +112,29 @@ class AuditReport:
         return out
 
 
-def collect(
+def generate(engine: VllmRolloutEngine | None, prompts: Sequence[Sequence[int]], sampling: SamplingOptions, *,
+             seed: int = 0) -> RolloutBatch:
+    """Sample on the engine rank (`engine` not None) and share the batch with every rank of the job."""
+    batch, _ = broadcast_rollouts(engine.generate(prompts, sampling, seed=seed) if engine is not None else None)
+    return batch
+
+
+def rescore(
     policy: MegatronPolicy,
-    engine: VllmRolloutEngine | None,
-    prompts: Sequence[Sequence[int]],
-    sampling: SamplingOptions,
+    batch: RolloutBatch,
     replay: dict[str, Any],
     *,
-    seed: int = 0,
     pad_token_id: int = 0,
     micro_batch_size: int = 16,
     groups: ParallelGroups | None = None,
 ) -> AuditData:
-    """Generate on the engine rank (`engine` not None), broadcast, and re-score on every rank.
+    """Re-score `batch`'s tokens with `policy` on every rank (any TP/PP/CP layout); every rank must call it.
 
-    Every rank of the job must call this: the whole batch is re-scored through Megatron's schedule by
-    every pipeline (TP ranks share the vocab-parallel logprobs, CP ranks one token share each, the
-    last stage's scores are sent to the others). `groups` defaults to Megatron's parallel state.
+    The whole batch goes through Megatron's schedule on every pipeline (TP ranks share the vocab-parallel
+    logprobs, CP ranks one token share each, the last stage's scores are sent to the others). `groups`
+    defaults to Megatron's parallel state.
     """
     groups = groups if groups is not None else ParallelGroups.from_megatron()
-    batch, _ = broadcast_rollouts(engine.generate(prompts, sampling, seed=seed) if engine is not None else None)
     tensors = batch.to_tensors(pad_token_id)
     start = time.perf_counter()
     ids = tensors["input_ids"]
@@ -146,6 +157,24 @@ def collect(
         loss_mask=tensors["loss_mask"],
         seconds={"generation": batch.seconds, "rescoring": time.perf_counter() - start},
     )
+
+
+def collect(
+    policy: MegatronPolicy,
+    engine: VllmRolloutEngine | None,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingOptions,
+    replay: dict[str, Any],
+    *,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    micro_batch_size: int = 16,
+    groups: ParallelGroups | None = None,
+) -> AuditData:
+    """`generate` on the engine rank (`engine` not None), broadcast, and `rescore` on every rank."""
+    batch = generate(engine, prompts, sampling, seed=seed)
+    return rescore(policy, batch, replay, pad_token_id=pad_token_id, micro_batch_size=micro_batch_size,
+                   groups=groups)
 
 
 def logprob_diff(data: AuditData) -> tuple[float, float]:
@@ -213,7 +242,8 @@ def worst_sequences(data: AuditData, k: int) -> list[dict[str, Any]]:
 
 
 def build_report(
-    data: AuditData, *, model: str, rollout_dtype: str, presets: Sequence[str], worst: int, seconds: dict[str, float]
+    data: AuditData, *, model: str, rollout_dtype: str, presets: Sequence[str], worst: int, seconds: dict[str, float],
+    trainer_dtype: str = "float32", lm_head_fp32: bool = False,
 ) -> AuditReport:
     """Assemble the report from collected data."""
     max_diff, mean_diff = logprob_diff(data)
@@ -231,13 +261,15 @@ def build_report(
         presets=preset_effects(data, presets),
         worst=worst_sequences(data, worst),
         seconds={**seconds, **data.seconds},
+        trainer_dtype=trainer_dtype,
+        lm_head_fp32=lm_head_fp32,
     )
 
 
 def format_report(report: AuditReport) -> str:
     """The human-readable report `nrc audit` prints."""
     lines = [
-        f"== nrc audit: {report.model}, vLLM dtype {report.rollout_dtype}: {report.num_sequences} sequences, "
+        f"== nrc audit: {report.model}, {report.setting}: {report.num_sequences} sequences, "
         f"{report.num_tokens} response tokens ==",
         f"trainer vs vLLM token logprobs: max |diff| {report.max_abs_logprob_diff:.3e}, "
         f"mean {report.mean_abs_logprob_diff:.3e}",
@@ -265,6 +297,44 @@ def format_report(report: AuditReport) -> str:
     return "\n".join(lines)
 
 
+COMPARISON_METRICS = ("kl", "k3_kl")
+
+
+def format_comparison(reports: Sequence[AuditReport]) -> str:
+    """The side-by-side table of several settings: engine dtype x trainer dtype x lm_head_fp32.
+
+    Columns: max and mean |trainer - vLLM| token logprob difference and the mismatch KL estimates
+    (`rollout_corr/kl`, k1, may be slightly negative at fp32 noise; `rollout_corr/k3_kl`, non-negative).
+    """
+    header = (f"{'engine':<10} {'trainer':<10} {'lm_head_fp32':<13} {'max |diff|':>11} {'mean |diff|':>11} "
+              + " ".join(f"{k:>11}" for k in COMPARISON_METRICS) + f" {'tokens':>7}")
+    lines = ["== nrc audit: settings side by side ==", header]
+    for r in reports:
+        values = " ".join(f"{r.metrics.get(f'rollout_corr/{k}', float('nan')):>11.3e}" for k in COMPARISON_METRICS)
+        lines.append(f"{r.rollout_dtype:<10} {r.trainer_dtype:<10} {str(r.lm_head_fp32).lower():<13} "
+                     f"{r.max_abs_logprob_diff:>11.3e} {r.mean_abs_logprob_diff:>11.3e} {values} {r.num_tokens:>7}")
+    return "\n".join(lines)
+
+
+def audit_settings(cfg: TrainConfig) -> tuple[list[str], list[tuple[str, bool]]]:
+    """(engine dtypes, [(trainer dtype, lm_head_fp32)]) the audit compares, in order, without duplicates.
+
+    Engine dtypes: `audit.engine_dtypes`, else `rollout.dtype` (plus float32/bfloat16 with
+    `audit.compare_dtypes`). Trainer settings: `audit.trainer_dtypes` (else `model.dtype`) x `audit.lm_head_fp32`
+    (else `policy.lm_head_fp32`); an fp32 LM head under an fp32 trainer is the fp32 trainer itself.
+    """
+    engines = list(cfg.audit.engine_dtypes) or [cfg.rollout.dtype]
+    if cfg.audit.compare_dtypes and not cfg.audit.engine_dtypes:
+        engines += [d for d in ("float32", "bfloat16") if d != cfg.rollout.dtype]
+    trainers: list[tuple[str, bool]] = []
+    for dtype in list(cfg.audit.trainer_dtypes) or [cfg.model.dtype]:
+        for head in list(cfg.audit.lm_head_fp32) or [cfg.policy.lm_head_fp32]:
+            setting = (dtype, bool(head) and dtype != "float32")
+            if setting not in trainers:
+                trainers.append(setting)
+    return list(dict.fromkeys(engines)), trainers
+
+
 def audit_prompts(cfg: TrainConfig, tokenize: Any, num_prompts: int) -> list[list[int]]:
     """Token ids of the first `num_prompts` prompts of the configured task (deterministic)."""
     from nemo_rollout_correction.trainer.tasks import build_task
@@ -278,7 +348,11 @@ def audit_prompts(cfg: TrainConfig, tokenize: Any, num_prompts: int) -> list[lis
 def run_audit(
     cfg: TrainConfig, runtime: Runtime, *, presets: Sequence[str] | None = None, log: Any = print
 ) -> list[AuditReport]:
-    """The full audit for `cfg` (one report per audited engine dtype); every rank must call it."""
+    """The full audit for `cfg`: one report per engine dtype x trainer setting (`audit_settings`), engines outer.
+
+    Every rank must call it. Each engine starts once and samples once; every trainer setting re-scores the
+    same tokens, so the rows of `format_comparison` differ only in the compared setting.
+    """
     from transformers import AutoTokenizer
 
     from nemo_rollout_correction.models.sources import resolve_model_source
@@ -290,57 +364,61 @@ def run_audit(
     prompts = audit_prompts(
         cfg, lambda text: tokenize_prompt(tokenizer, text, cfg.task.use_chat_template), cfg.audit.num_prompts
     )
-    start = time.perf_counter()
-    policy = MegatronPolicy.from_hf(hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
-    policy_seconds = time.perf_counter() - start
-    dtypes = [cfg.rollout.dtype]
-    if cfg.audit.compare_dtypes:
-        dtypes += [d for d in ("float32", "bfloat16") if d != cfg.rollout.dtype]
+    engine_dtypes, trainer_settings = audit_settings(cfg)
+    policies: dict[tuple[str, bool], tuple[MegatronPolicy, float]] = {}
+    for dtype, head in trainer_settings:
+        start = time.perf_counter()
+        policy = MegatronPolicy.from_hf(hf_dir, params_dtype=dtype, seed=cfg.run.seed)
+        if head:
+            policy.use_fp32_lm_head()
+        policies[(dtype, head)] = (policy, time.perf_counter() - start)
     reports = []
-    for dtype in dtypes:
+    for engine_dtype in engine_dtypes:
         engine = None
-        seconds = {"policy_build": policy_seconds}
+        engine_seconds: dict[str, float] = {}
         if runtime.is_main:
-            log(f"[nrc audit] starting vLLM ({dtype}) on {hf_dir}")
-            engine = VllmRolloutEngine(engine_options(cfg, str(hf_dir), dtype))
-            seconds["engine_start"] = engine.start_seconds
+            log(f"[nrc audit] starting vLLM ({engine_dtype}) on {hf_dir}")
+            engine = VllmRolloutEngine(engine_options(cfg, str(hf_dir), engine_dtype))
+            engine_seconds["engine_start"] = engine.start_seconds
         try:
-            data = collect(
-                policy,
-                engine,
-                prompts,
-                sampling_options(cfg),
-                replay_options(cfg),
-                seed=cfg.run.seed,
-                pad_token_id=pad,
-                micro_batch_size=cfg.policy.micro_batch_size,
-                groups=runtime.groups,
-            )
+            batch = generate(engine, prompts, sampling_options(cfg), seed=cfg.run.seed)
         finally:
             if engine is not None:
                 engine.shutdown()
-        reports.append(
-            build_report(
-                data,
-                model=cfg.model.source,
-                rollout_dtype=dtype,
-                presets=presets,
-                worst=cfg.audit.worst_sequences,
-                seconds=seconds,
+        for (dtype, head), (policy, build_seconds) in policies.items():
+            if len(trainer_settings) > 1 and runtime.is_main:
+                log(f"[nrc audit] re-scoring with the {dtype} trainer{' (fp32 lm_head)' if head else ''}")
+            data = rescore(policy, batch, replay_options(cfg), pad_token_id=pad,
+                           micro_batch_size=cfg.policy.micro_batch_size, groups=runtime.groups)
+            reports.append(
+                build_report(
+                    data,
+                    model=cfg.model.source,
+                    rollout_dtype=engine_dtype,
+                    presets=presets,
+                    worst=cfg.audit.worst_sequences,
+                    seconds={"policy_build": build_seconds, **engine_seconds},
+                    trainer_dtype=dtype,
+                    lm_head_fp32=head,
+                )
             )
-        )
     return reports
 
 
 __all__ = [
+    "COMPARISON_METRICS",
     "SUMMARY_METRICS",
     "AuditData",
     "AuditReport",
+    "audit_settings",
     "build_report",
     "collect",
+    "format_comparison",
     "format_report",
+    "generate",
     "logprob_diff",
     "preset_effects",
+    "rescore",
     "run_audit",
     "worst_sequences",
 ]

@@ -540,27 +540,36 @@ class GrpoTrainer:
     ) -> StepReview:
         """Per-sequence mismatch detail of this rank's rows (the logging rank's slice)."""
         raw, applied, seq_lr, seq_max, seq_kl, seq_w, lengths, kept, rows = [], [], [], [], [], [], [], [], []
+        tok_train, tok_roll, tok_pos = [], [], []
         for i, mb in enumerate(microbatches):
             # bypass mode: the reference is the policy the loss pass saw (before this step's update)
             reference = mb.old_logprobs if mb.old_logprobs is not None else mb.train_logprobs
             assert reference is not None, "the review runs after the loss pass"
-            log_ratio = torch.where(mb.loss_mask, reference - mb.rollout_logprobs, torch.zeros_like(reference))
-            log_ratio = torch.nan_to_num(log_ratio, nan=0.0, posinf=0.0, neginf=0.0)
+            rollout = mb.rollout_logprobs
             keep = corrections[i].keep_mask if corrections is not None else mb.loss_mask
             weights = corrections[i].is_weights if corrections is not None else torch.ones_like(reference)
             mask = mb.loss_mask
             if self.groups.cp_size > 1:  # whole sequences from every CP rank's share
-                log_ratio, keep, weights, mask = (gather_cp_tokens(x, self.groups)
-                                                  for x in (log_ratio, keep, weights, mask))
+                reference, rollout, keep, weights, mask = (gather_cp_tokens(x, self.groups)
+                                                           for x in (reference, rollout, keep, weights, mask))
+            log_ratio = torch.where(mask, reference - rollout, torch.zeros_like(reference))
+            log_ratio = torch.nan_to_num(log_ratio, nan=0.0, posinf=0.0, neginf=0.0)
             raw.append(log_ratio.clamp(-20, 20).exp()[keep])
             applied.append(weights[keep])
             seq_lr.append(log_ratio.sum(-1))
             seq_max.append(log_ratio.abs().amax(-1) if log_ratio.numel() else torch.zeros(len(mb.rows)))
-            seq_kl.append(((log_ratio.exp() - 1) - log_ratio).mul(mask).sum(-1) / mask.sum(-1).clamp(min=1))
+            # k3 = exp(r) - 1 - r >= 0, in float64 with expm1: in float32 the cancellation of near-equal terms
+            # made tiny fp32-engine mismatches (|r| ~ 1e-6) come out negative.
+            r64 = log_ratio.double().clamp(-20, 20)
+            k3 = (torch.expm1(r64) - r64).clamp(min=0.0)
+            seq_kl.append(torch.where(mask, k3, 0.0).sum(-1) / mask.sum(-1).clamp(min=1))
             seq_w.append(seq_lr[-1].clamp(-20, 20).exp())
             lengths.append(mask.sum(-1))
             kept.append(keep.any(-1))
             rows.append(mb.rows)
+            tok_train.append(reference[mask])
+            tok_roll.append(rollout[mask])
+            tok_pos.append((mask.cumsum(-1) - 1)[mask])  # index of each response token in its response
         idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
         samples = [batch.samples[int(r)] for r in idx]
         return StepReview(
@@ -576,6 +585,9 @@ class GrpoTrainer:
             rewards=rewards[idx],
             prompts=[records[s.prompt_index].prompt for s in samples],
             responses=[s.text for s in samples],
+            token_trainer_logprobs=torch.cat(tok_train) if tok_train else torch.zeros(0),
+            token_rollout_logprobs=torch.cat(tok_roll) if tok_roll else torch.zeros(0),
+            token_positions=torch.cat(tok_pos) if tok_pos else torch.zeros(0, dtype=torch.int64),
         )
 
     # ---- the run -------------------------------------------------------------------------------------

@@ -18,9 +18,14 @@ class StepReview:
 
     raw_is_weights / applied_is_weights: `[num_kept_tokens]` token IS ratios exp(old - rollout) before and
         after truncation/masking, over kept tokens of this rank's rows.
-    seq_log_ratio / seq_max_abs_log_ratio / seq_kl / seq_is_weight: `[num_rows]` per-sequence mismatch.
+    seq_log_ratio / seq_max_abs_log_ratio / seq_is_weight: `[num_rows]` per-sequence mismatch; seq_kl:
+        `[num_rows]` mean over the row's response tokens of the k3 estimate of KL(rollout || train),
+        exp(r) - 1 - r with r = log(pi_train / pi_rollout) (non-negative; computed in float64).
     response_lengths: `[num_rows]`; kept: `[num_rows]` whether any token of the row was kept.
     rewards: `[num_rows]`; prompts / responses: the texts of the rows.
+    token_trainer_logprobs / token_rollout_logprobs / token_positions: `[num_response_tokens]` one entry per
+        response token of the rows (row-major): the trainer's and the engine's logprob of the sampled token
+        (may be non-finite) and its 0-based index in the response.
     """
 
     step: int
@@ -35,6 +40,9 @@ class StepReview:
     rewards: Tensor
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
+    token_trainer_logprobs: Tensor | None = None
+    token_rollout_logprobs: Tensor | None = None
+    token_positions: Tensor | None = None
 
 
 class TrainObserver(Protocol):

@@ -40,6 +40,7 @@ def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None) -
         enforce_eager=r.enforce_eager,
         seed=cfg.rollout_seed,
         tensor_parallel_size=r.tensor_parallel_size,
+        batch_invariant=r.batch_invariant,
     )
 
 

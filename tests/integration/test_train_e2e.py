@@ -121,7 +121,9 @@ def test_train_logs_every_step_to_a_real_mlflow_server(server: Any, tmp_path: Pa
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "config")}
     assert "config/resolved.yaml" in artifacts
     review = {a.path for a in client.list_artifacts(run.info.run_id, "review/step_000002")}
-    assert {"review/step_000002/is_weights.png", "review/step_000002/worst_sequences.parquet"} <= review
+    assert {f"review/step_000002/{name}" for name in (
+        "is_weights.png", "mismatch_vs_length.png", "token_probabilities.png", "mismatch_by_position.png",
+        "worst_sequences.parquet")} <= review
     # Local record and checkpoints.
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]
