@@ -206,19 +206,32 @@ class TaskConfig:
     dataset_path: str | None = _f(None, "JSONL/JSON/Parquet file of prompts (required for task.name=dataset).")
     prompt_key: str = _f("prompt", "Dataset column holding the prompt.")
     answer_key: str = _f("answer", "Dataset column holding the reference answer passed to the reward.")
-    reward_fn: str | None = _f(None, "Custom reward as 'package.module:callable'; null uses the task's builtin.")
+    reward_fn: str | None = _f(None, "Custom reward as 'package.module:callable' or 'path/to/file.py:callable'; "
+                               "null uses the task's builtin.")
     prompts_per_step: int = _f(4, "Prompts per optimizer step (rollouts per step = this x num_samples_per_prompt).")
     num_prompts: int = _f(256, "Size of the generated prompt set (builtin tasks) or cap on dataset rows.")
     max_operand: int = _f(10, "arithmetic: operands are drawn from [0, max_operand].")
     target_length: int = _f(24, "length_target: the response length (tokens) that earns the full reward.")
     use_chat_template: bool = _f(True, "Wrap prompts in the tokenizer's chat template when it has one.")
+    # -- rewards off the critical path (trainer/reward_pool.py) --
+    reward_workers: int = _f(0, "Reward processes: 0 scores in the trainer process; N >= 1 scores each completion "
+                             "in a pool of N spawned processes (the reward function must be picklable).")
+    reward_timeout_s: float = _f(60.0, "With reward_workers >= 1: seconds one reward call may take before its "
+                                 "worker is killed and the run fails naming the sample.")
 
     def __post_init__(self) -> None:
         if self.name == "dataset" and not self.dataset_path:
             _fail("task.dataset_path", self.dataset_path,
                   "task.name=dataset needs a file: set task.dataset_path=/path/to/prompts.jsonl")
-        if self.reward_fn is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn):
-            _fail("task.reward_fn", self.reward_fn, "use the form 'package.module:callable'")
+        # 'pkg.module:callable', 'path/to/file.py:callable' or a builtin reward name (trainer/rewards.py)
+        if self.reward_fn is not None and not (
+            self.reward_fn in ("arithmetic", "length_target")
+            or re.fullmatch(r"(?:[\w.]+|\S+\.py):[\w.]+", self.reward_fn)
+        ):
+            _fail("task.reward_fn", self.reward_fn,
+                  "use 'package.module:callable', 'path/to/file.py:callable' or a builtin (arithmetic, length_target)")
+        _at_least("task.reward_workers", self.reward_workers, 0)
+        _positive("task.reward_timeout_s", self.reward_timeout_s)
         _at_least("task.prompts_per_step", self.prompts_per_step, 1)
         _at_least("task.num_prompts", self.num_prompts, 1)
         _at_least("task.max_operand", self.max_operand, 1)
