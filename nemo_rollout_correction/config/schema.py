@@ -252,11 +252,28 @@ class GRPOConfig:
                                     "seq-mean-token-sum-norm divides by rollout.max_new_tokens.")
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference policy; 0 disables it.")
     kl_estimator: KLEstimator = _f("k3", "KL estimator (core/kl_penalty.py).")
+    # -- DAPO: dynamic sampling and overlong handling (core/dapo.py, trainer/dynamic_sampling.py) --
+    dynamic_sampling: bool = _f(False, "Drop prompt groups whose rewards are all equal (no advantage) and refill "
+                                "the batch from further prompts (DAPO).")
+    max_refill_batches: int = _f(2, "dynamic_sampling: extra prompt batches a step may generate to refill; then "
+                                 "zero-variance groups fill the rest (all zero-variance: the update is skipped).")
+    overlong_filter: bool = _f(False, "Remove truncated responses (finish_reason=length) from the loss (DAPO "
+                               "overlong filtering).")
+    overlong_penalty: bool = _f(False, "Add DAPO's soft overlong penalty to the reward: 0 up to rollout.max_new_tokens "
+                                "- overlong_buffer_len tokens, then linear down to -overlong_penalty_factor.")
+    overlong_buffer_len: int = _f(16, "overlong_penalty: length of the soft-penalty region in tokens "
+                                  "(<= rollout.max_new_tokens).")
+    overlong_penalty_factor: float = _f(1.0, "overlong_penalty: the penalty at rollout.max_new_tokens tokens "
+                                        "(DAPO: 1.0).")
 
     def __post_init__(self) -> None:
         _in_range("grpo.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0, high_open=True)
         _at_least("grpo.clip_ratio_high", self.clip_ratio_high, 0.0)
         _at_least("grpo.kl_coef", self.kl_coef, 0.0)
+        _at_least("grpo.max_refill_batches", self.max_refill_batches, 0)
+        _at_least("grpo.overlong_buffer_len", self.overlong_buffer_len, 1)
+        if not (math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0):
+            _fail("grpo.overlong_penalty_factor", self.overlong_penalty_factor, "must be a finite number >= 0")
 
 
 @dataclass(frozen=True)
@@ -358,6 +375,10 @@ class TrainConfig:
             _fail("rollout.num_samples_per_prompt", self.rollout.num_samples_per_prompt,
                   "GRPO normalises rewards within a group of samples of one prompt: needs >= 2")
         self.check_world_size(self.launcher.world_size, source="launcher.nodes x launcher.nproc_per_node")
+        if self.grpo.overlong_penalty and self.grpo.overlong_buffer_len > self.rollout.max_new_tokens:
+            _fail("grpo.overlong_buffer_len", self.grpo.overlong_buffer_len,
+                  "with grpo.overlong_penalty=true it must be <= rollout.max_new_tokens "
+                  f"({self.rollout.max_new_tokens})")
 
     # ---- rules that need the world size ------------------------------------------------------
 
