@@ -26,11 +26,22 @@ def boom(completions, **kwargs):
 def hang(completions, **kwargs):
     time.sleep(600)
     return [0.0] * len(completions)
+
+lam = lambda completions, **kwargs: [0.0] * len(completions)  # noqa: E731  (not picklable by name)
 '''
 
 FAST = ["model=tiny_llama", "task.prompts_per_step=2", "rollout.num_samples_per_prompt=2",
         "rollout.max_new_tokens=8", "policy.micro_batch_size=4", "run.num_steps=1",
         "tracking.system_metrics=false", "task.reward_workers=1"]
+
+
+def _train(cwd: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
+    (cwd / "my_rewards.py").write_text(REWARDS)  # `python -m` puts the working directory on sys.path
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                          "MASTER_PORT")}
+    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    return subprocess.run([sys.executable, "-m", "nemo_rollout_correction.cli", "train", *FAST, *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.parametrize(
@@ -44,19 +55,11 @@ FAST = ["model=tiny_llama", "task.prompts_per_step=2", "rollout.num_samples_per_
 def test_a_failing_reward_fails_the_run_and_mlflow_records_why(
     tmp_path: Path, reward: str, extra: list[str], expected: str
 ) -> None:
-    (tmp_path / "my_rewards.py").write_text(REWARDS)
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                          "MASTER_PORT")}
-    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nemo_rollout_correction.cli", "train", *FAST, *extra,
-         f"task.reward_fn=my_rewards:{reward}", f"run.output_dir={out}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
-    )
+    proc = _train(tmp_path, [*extra, f"task.reward_fn=my_rewards:{reward}", f"run.output_dir={out}"])
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert "RewardCallError" in proc.stderr and expected in proc.stderr, proc.stderr[-4000:]
-    assert "What is" in proc.stderr or "'" in proc.stderr  # a prompt excerpt
+    assert f"{expected} ('" in proc.stderr  # then a prompt excerpt
 
     from mlflow.tracking import MlflowClient
 
@@ -70,3 +73,18 @@ def test_a_failing_reward_fails_the_run_and_mlflow_records_why(
     assert artifacts == ["error/traceback.txt"]
     local = client.download_artifacts(run.info.run_id, "error/traceback.txt", str(tmp_path / "dl"))
     assert expected in Path(local).read_text()
+
+
+def test_an_unpicklable_reward_is_refused_before_any_model_work_and_recorded(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _train(tmp_path, ["task.reward_fn=my_rewards:lam", f"run.output_dir={out}"])
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert "cannot be pickled" in proc.stderr and "task.reward_workers=0" in proc.stderr
+    assert "starting the vLLM engine" not in proc.stderr  # refused while building the task
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("nemo_rollout_correction").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"
+    assert "cannot be pickled" in runs[0].data.tags["nrc.error"]
