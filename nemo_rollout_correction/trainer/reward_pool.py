@@ -29,6 +29,7 @@ from a small queue the workers write to.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import pickle
@@ -186,8 +187,18 @@ class RewardPool:
         pool = ctx.Pool(self.num_workers, initializer=_init_worker, initargs=(self._payload, self.spec, self._events))
         deadline = time.monotonic() + self.startup_timeout_s
         pids: list[int] = []
+        started: set[int] = set()  # pool worker processes seen so far; the pool replaces any that exit
         while len(pids) < self.num_workers:
             if self._events.empty():
+                started |= {p.pid for p in multiprocessing.active_children()
+                            if p.name.startswith("SpawnPoolWorker") and p.pid is not None}
+                if len(started) > 3 * self.num_workers:  # workers die before loading anything: fail now, not at 120 s
+                    pool.terminate()
+                    raise RewardCallError(
+                        f"reward fn {self.name}: reward worker processes exit while starting ({len(started)} started, "
+                        "none ready; their tracebacks are on stderr). Spawned workers re-import the main module: run "
+                        "from a script file or `python -m` with an `if __name__ == '__main__':` guard, not from stdin"
+                    )
                 if time.monotonic() < deadline:
                     time.sleep(_POLL_S)
                     continue
@@ -208,6 +219,7 @@ class RewardPool:
                 )
             pids.append(pid)
         self._pool, self.worker_pids = pool, pids
+        atexit.register(self.close)  # a trainer that never calls close(): stop the workers before interpreter exit
         return pool
 
     def score(
@@ -309,7 +321,11 @@ class RewardPool:
         """Kill every worker now (a stuck call never returns, so nothing is waited on) and forget the pool."""
         pool, self._pool = self._pool, None
         if pool is not None:
+            atexit.unregister(self.close)
             pool.terminate()  # SIGTERM to each worker, then joins them
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         self.worker_pids = []
 
     def close(self) -> None:

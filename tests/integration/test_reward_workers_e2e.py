@@ -26,8 +26,6 @@ def boom(completions, **kwargs):
 def hang(completions, **kwargs):
     time.sleep(600)
     return [0.0] * len(completions)
-
-lam = lambda completions, **kwargs: [0.0] * len(completions)  # noqa: E731  (not picklable by name)
 '''
 
 FAST = ["model=tiny_llama", "task.prompts_per_step=2", "rollout.num_samples_per_prompt=2",
@@ -75,16 +73,18 @@ def test_a_failing_reward_fails_the_run_and_mlflow_records_why(
     assert expected in Path(local).read_text()
 
 
-def test_an_unpicklable_reward_is_refused_before_any_model_work_and_recorded(tmp_path: Path) -> None:
+def test_an_error_before_the_trainer_owns_the_run_is_recorded_too(tmp_path: Path) -> None:
+    # The task is built before any model work; a missing dataset fails there, and the CLI closes the run.
     out = tmp_path / "run"
-    proc = _train(tmp_path, ["task.reward_fn=my_rewards:lam", f"run.output_dir={out}"])
+    proc = _train(tmp_path, ["task.name=dataset", f"task.dataset_path={tmp_path / 'nope.jsonl'}",
+                             f"run.output_dir={out}"])
     assert proc.returncode == 1, proc.stderr[-4000:]
-    assert "cannot be pickled" in proc.stderr and "task.reward_workers=0" in proc.stderr
-    assert "starting the vLLM engine" not in proc.stderr  # refused while building the task
+    assert "starting the vLLM engine" not in proc.stderr
 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("nemo_rollout_correction").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FAILED"
-    assert "cannot be pickled" in runs[0].data.tags["nrc.error"]
+    error = runs[0].data.tags["nrc.error"]
+    assert error.startswith("DatasetError: ") and "nope.jsonl" in error

@@ -160,3 +160,28 @@ def test_config_refuses_bad_worker_counts_and_timeouts() -> None:
     assert TaskConfig(reward_fn="arithmetic").reward_fn == "arithmetic"
     with pytest.raises(ValueError, match=r"task\.reward_workers must be an integer >= 0"):
         build_task("arithmetic", num_prompts=4, reward_workers=-2)
+
+
+def test_workers_that_cannot_start_fail_fast_not_after_the_startup_bound() -> None:
+    # A main module read from stdin cannot be re-imported by spawned workers: they exit at once, and the pool
+    # would replace them forever. The pool notices and fails in seconds, saying why.
+    import subprocess
+
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "import reward_pool_fns\n"
+        "from nemo_rollout_correction.trainer.reward_pool import RewardPool\n"
+        "from nemo_rollout_correction.trainer.data import PromptRecord\n"
+        "try:\n"
+        "    RewardPool(reward_pool_fns.raises_on_bad, 1, 30, startup_timeout_s=100).score(\n"
+        "        ['p'], ['ok'], [PromptRecord('p')], [1])\n"
+        "except Exception as error:\n"
+        "    print('ERROR', error)\n"
+    )
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=90)
+    expected = "ERROR reward fn reward_pool_fns:raises_on_bad: reward worker processes exit while starting"
+    assert expected in proc.stdout, proc.stderr[-2000:]
+    assert "not from stdin" in proc.stdout
+    assert time.monotonic() - start < 60  # well inside startup_timeout_s=100
