@@ -215,7 +215,7 @@ class TaskConfig:
     use_chat_template: bool = _f(True, "Wrap prompts in the tokenizer's chat template when it has one.")
     # -- rewards off the critical path (trainer/reward_pool.py) --
     reward_workers: int = _f(0, "Reward processes: 0 scores in the trainer process; N >= 1 scores each completion "
-                             "in a pool of N spawned processes (the reward function must be picklable).")
+                             "in a pool of N spawned processes (the reward must be loadable there; docs/tasks.md).")
     reward_timeout_s: float = _f(60.0, "With reward_workers >= 1: seconds one reward call may take before its "
                                  "worker is killed and the run fails naming the sample.")
 
@@ -254,13 +254,14 @@ class GRPOConfig:
     kl_estimator: KLEstimator = _f("k3", "KL estimator (core/kl_penalty.py).")
     # -- DAPO: dynamic sampling and overlong handling (core/dapo.py, trainer/dynamic_sampling.py) --
     dynamic_sampling: bool = _f(False, "Drop prompt groups whose rewards are all equal (no advantage) and refill "
-                                "the batch from further prompts (DAPO).")
+                                "the batch from further prompts (DAPO). Not yet called by the step: docs/training.md.")
     max_refill_batches: int = _f(2, "dynamic_sampling: extra prompt batches a step may generate to refill; then "
                                  "zero-variance groups fill the rest (all zero-variance: the update is skipped).")
     overlong_filter: bool = _f(False, "Remove truncated responses (finish_reason=length) from the loss (DAPO "
-                               "overlong filtering).")
+                               "overlong filtering). Not yet called by the step: docs/training.md.")
     overlong_penalty: bool = _f(False, "Add DAPO's soft overlong penalty to the reward: 0 up to rollout.max_new_tokens "
-                                "- overlong_buffer_len tokens, then linear down to -overlong_penalty_factor.")
+                                "- overlong_buffer_len tokens, then linear down to -overlong_penalty_factor. Not yet "
+                                "called by the step: docs/training.md.")
     overlong_buffer_len: int = _f(16, "overlong_penalty: length of the soft-penalty region in tokens "
                                   "(<= rollout.max_new_tokens).")
     overlong_penalty_factor: float = _f(1.0, "overlong_penalty: the penalty at rollout.max_new_tokens tokens "
