@@ -6,6 +6,8 @@ lives in the CLI. Runs on the logging rank only.
 
 from __future__ import annotations
 
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +72,27 @@ class MlflowObserver:
                 "reward_means": self.reward_means, "reward_stds": self.reward_stds}
 
     def on_end(self, status: str) -> None:
-        """Flush and close the MLflow run with `status`."""
+        """Flush and close the MLflow run with `status`; a run that ends on an exception records it first."""
+        # The trainer calls on_end from its `finally`, so the exception ending the run is the one in flight.
+        error = sys.exception()
+        if status != "FINISHED" and error is not None:
+            record_error(self.tracker, error, Path(self.cfg.run.output_dir))
         self.tracker.close(status)  # type: ignore[arg-type]
 
 
-__all__ = ["MlflowObserver"]
+def record_error(tracker: MlflowTracker, error: BaseException, output_dir: Path) -> None:
+    """Record why a run failed: tag `nrc.error` ("Type: message") and artifact `error/traceback.txt`.
+
+    Goes through the tracker's journal like every record, so it survives a tracking outage too.
+    """
+    tracker.set_tags({"nrc.error": f"{type(error).__name__}: {error}"})
+    path = output_dir / "error" / "traceback.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(error)), encoding="utf-8")
+        tracker.log_artifact(path, "error")
+    except OSError:  # the tag already says what failed; a full disk must not hide the original error
+        pass
+
+
+__all__ = ["MlflowObserver", "record_error"]

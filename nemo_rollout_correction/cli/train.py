@@ -86,6 +86,9 @@ def run_train(overrides: Sequence[str]) -> int:
               file=sys.stderr)
         traceback.print_exc()
         if trainer is None and tracker is not None:  # failed before the trainer owned the run: close it here
+            from nemo_rollout_correction.cli.observer import record_error
+
+            record_error(tracker, exc, Path(cfg.run.output_dir))
             tracker.close("FAILED")
     finally:
         if trainer is not None:

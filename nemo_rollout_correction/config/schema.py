@@ -223,19 +223,32 @@ class TaskConfig:
     dataset_path: str | None = _f(None, "JSONL/JSON/Parquet file of prompts (required for task.name=dataset).")
     prompt_key: str = _f("prompt", "Dataset column holding the prompt.")
     answer_key: str = _f("answer", "Dataset column holding the reference answer passed to the reward.")
-    reward_fn: str | None = _f(None, "Custom reward as 'package.module:callable'; null uses the task's builtin.")
+    reward_fn: str | None = _f(None, "Custom reward as 'package.module:callable' or 'path/to/file.py:callable'; "
+                               "null uses the task's builtin.")
     prompts_per_step: int = _f(4, "Prompts per optimizer step (rollouts per step = this x num_samples_per_prompt).")
     num_prompts: int = _f(256, "Size of the generated prompt set (builtin tasks) or cap on dataset rows.")
     max_operand: int = _f(10, "arithmetic: operands are drawn from [0, max_operand].")
     target_length: int = _f(24, "length_target: the response length (tokens) that earns the full reward.")
     use_chat_template: bool = _f(True, "Wrap prompts in the tokenizer's chat template when it has one.")
+    # -- rewards off the critical path (trainer/reward_pool.py) --
+    reward_workers: int = _f(0, "Reward processes: 0 scores in the trainer process; N >= 1 scores each completion "
+                             "in a pool of N spawned processes (the reward must be loadable there; docs/tasks.md).")
+    reward_timeout_s: float = _f(60.0, "With reward_workers >= 1: seconds one reward call may take before its "
+                                 "worker is killed and the run fails naming the sample.")
 
     def __post_init__(self) -> None:
         if self.name == "dataset" and not self.dataset_path:
             _fail("task.dataset_path", self.dataset_path,
                   "task.name=dataset needs a file: set task.dataset_path=/path/to/prompts.jsonl")
-        if self.reward_fn is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.reward_fn):
-            _fail("task.reward_fn", self.reward_fn, "use the form 'package.module:callable'")
+        # 'pkg.module:callable', 'path/to/file.py:callable' or a builtin reward name (trainer/rewards.py)
+        if self.reward_fn is not None and not (
+            self.reward_fn in ("arithmetic", "length_target")
+            or re.fullmatch(r"(?:[\w.]+|\S+\.py):[\w.]+", self.reward_fn)
+        ):
+            _fail("task.reward_fn", self.reward_fn,
+                  "use 'package.module:callable', 'path/to/file.py:callable' or a builtin (arithmetic, length_target)")
+        _at_least("task.reward_workers", self.reward_workers, 0)
+        _positive("task.reward_timeout_s", self.reward_timeout_s)
         _at_least("task.prompts_per_step", self.prompts_per_step, 1)
         _at_least("task.num_prompts", self.num_prompts, 1)
         _at_least("task.max_operand", self.max_operand, 1)
@@ -259,6 +272,20 @@ class GRPOConfig:
     # Updates per rollout batch (verl's ppo_mini_batch_size / ppo_epochs).
     num_mini_batches: int = _f(1, "Optimizer updates per pass over a step's rollouts (each on an equal share).")
     ppo_epochs: int = _f(1, "Passes over a step's rollouts; old_logprobs stay those of the policy before the first.")
+    # -- DAPO: dynamic sampling and overlong handling (core/dapo.py, trainer/dynamic_sampling.py) --
+    dynamic_sampling: bool = _f(False, "Drop prompt groups whose rewards are all equal (no advantage) and refill "
+                                "the batch from further prompts (DAPO). Not yet called by the step: docs/training.md.")
+    max_refill_batches: int = _f(2, "dynamic_sampling: extra prompt batches a step may generate to refill; then "
+                                 "zero-variance groups fill the rest (all zero-variance: the update is skipped).")
+    overlong_filter: bool = _f(False, "Remove truncated responses (finish_reason=length) from the loss (DAPO "
+                               "overlong filtering). Not yet called by the step: docs/training.md.")
+    overlong_penalty: bool = _f(False, "Add DAPO's soft overlong penalty to the reward: 0 up to rollout.max_new_tokens "
+                                "- overlong_buffer_len tokens, then linear down to -overlong_penalty_factor. Not yet "
+                                "called by the step: docs/training.md.")
+    overlong_buffer_len: int = _f(16, "overlong_penalty: length of the soft-penalty region in tokens "
+                                  "(<= rollout.max_new_tokens).")
+    overlong_penalty_factor: float = _f(1.0, "overlong_penalty: the penalty at rollout.max_new_tokens tokens "
+                                        "(DAPO: 1.0).")
 
     def __post_init__(self) -> None:
         _at_least("grpo.num_mini_batches", self.num_mini_batches, 1)
@@ -266,6 +293,10 @@ class GRPOConfig:
         _in_range("grpo.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0, high_open=True)
         _at_least("grpo.clip_ratio_high", self.clip_ratio_high, 0.0)
         _at_least("grpo.kl_coef", self.kl_coef, 0.0)
+        _at_least("grpo.max_refill_batches", self.max_refill_batches, 0)
+        _at_least("grpo.overlong_buffer_len", self.overlong_buffer_len, 1)
+        if not (math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0):
+            _fail("grpo.overlong_penalty_factor", self.overlong_penalty_factor, "must be a finite number >= 0")
 
 
 @dataclass(frozen=True)
@@ -379,6 +410,10 @@ class TrainConfig:
             _fail("rollout.num_samples_per_prompt", self.rollout.num_samples_per_prompt,
                   "GRPO normalises rewards within a group of samples of one prompt: needs >= 2")
         self.check_world_size(self.launcher.world_size, source="launcher.nodes x launcher.nproc_per_node")
+        if self.grpo.overlong_penalty and self.grpo.overlong_buffer_len > self.rollout.max_new_tokens:
+            _fail("grpo.overlong_buffer_len", self.grpo.overlong_buffer_len,
+                  "with grpo.overlong_penalty=true it must be <= rollout.max_new_tokens "
+                  f"({self.rollout.max_new_tokens})")
 
     # ---- rules that need the world size ------------------------------------------------------
 

@@ -39,12 +39,16 @@ __all__ = [
     "RewardError",
     "RewardFn",
     "arithmetic_reward",
+    "describe_sample",
     "first_number",
     "length_target_reward",
     "load_reward_fn",
     "reward_fn_name",
+    "sample_ids_from_records",
     "score",
 ]
+
+_EXCERPT = 60
 
 
 class RewardError(ValueError):
@@ -229,18 +233,48 @@ def _import_module(module_name: str, spec: str) -> Any:
         raise RewardError(f"reward_fn {spec!r}: importing {module_name!r} failed: {reason}") from error
 
 
+def describe_sample(prompt_index: int, sample_index: int, prompt: str) -> str:
+    """``prompt 3, sample 1 ('What is 2 + 5?')``: how errors name one completion (prompt excerpt capped)."""
+    excerpt = prompt if len(prompt) <= _EXCERPT else prompt[: _EXCERPT - 3] + "..."
+    return f"prompt {prompt_index}, sample {sample_index} ({excerpt!r})"
+
+
+def sample_ids_from_records(records: Sequence[PromptRecord]) -> list[tuple[int, int]]:
+    """``[(prompt_index, sample_index)]`` from the layout the trainer passes: the samples of one prompt are
+    consecutive and share one record object.
+
+    For naming samples in errors when the caller did not pass exact ids; a record repeated back to back
+    in one step (a dataset smaller than a step) is then counted as one prompt.
+    """
+    ids: list[tuple[int, int]] = []
+    prompt, sample = -1, 0
+    for index, record in enumerate(records):
+        if index == 0 or record is not records[index - 1]:
+            prompt, sample = prompt + 1, 0
+        else:
+            sample += 1
+        ids.append((prompt, sample))
+    return ids
+
+
 def score(
     reward_fn: Callable[..., Any],
     prompts: Sequence[str],
     completions: Sequence[str],
     records: Sequence[PromptRecord],
     completion_token_counts: Sequence[int],
+    sample_ids: Sequence[tuple[int, int]] | None = None,
 ) -> list[float]:
     """Call ``reward_fn`` with keyword arguments and check its output.
 
+    A :class:`~nemo_rollout_correction.trainer.reward_pool.RewardPool` (``task.reward_workers >= 1``)
+    scores in its worker processes, one bounded call per completion; anything else is called once, here.
+
     Args:
-        reward_fn: a :class:`RewardFn`.
+        reward_fn: a :class:`RewardFn` or a ``RewardPool``.
         prompts, completions, records, completion_token_counts: ``[num_completions]`` each.
+        sample_ids: optional ``[num_completions]`` ``(prompt_index, sample_index)``; errors then name the
+            sample (with a prompt excerpt) instead of its index in the batch.
 
     Returns:
         ``[num_completions]`` finite Python floats.
@@ -249,17 +283,29 @@ def score(
         ValueError: the inputs have different lengths (a trainer bug, not the reward's).
         RewardError: the function raised, returned a non-sequence or the wrong number of values,
             or a value that is not a real number or is NaN/inf; the message names the function,
-            the index and the value.
+            the sample and the value. A pool also raises it for a call past ``task.reward_timeout_s``.
     """
+    from nemo_rollout_correction.trainer.reward_pool import RewardPool  # the pool module imports this one
+
+    if isinstance(reward_fn, RewardPool):
+        return reward_fn.score(prompts, completions, records, completion_token_counts, sample_ids=sample_ids)
     num = len(completions)
     lengths = {
         "prompts": len(prompts),
         "records": len(records),
         "completion_token_counts": len(completion_token_counts),
     }
+    if sample_ids is not None:
+        lengths["sample_ids"] = len(sample_ids)
     if any(length != num for length in lengths.values()):
         raise ValueError(f"score: inputs differ in length: completions={num}, {lengths}")
     name = reward_fn_name(reward_fn)
+
+    def where(index: int) -> str:
+        if sample_ids is None:
+            return f"index {index}"
+        return describe_sample(sample_ids[index][0], sample_ids[index][1], prompts[index])
+
     try:
         output = reward_fn(
             prompts=list(prompts),
@@ -268,7 +314,9 @@ def score(
             completion_token_counts=list(completion_token_counts),
         )
     except Exception as error:
-        raise RewardError(f"reward fn {name} raised {type(error).__name__}: {error}") from error
+        # one completion per call (the pool's workers): the failing sample is known
+        on = f" on {where(0)}" if sample_ids is not None and num == 1 else ""
+        raise RewardError(f"reward fn {name} raised {type(error).__name__}{on}: {error}") from error
     if hasattr(output, "tolist") and not isinstance(output, list | tuple):  # numpy arrays and torch tensors
         output = output.tolist()
     if isinstance(output, str | bytes) or not isinstance(output, Sequence):
@@ -278,8 +326,8 @@ def score(
     rewards = []
     for index, value in enumerate(output):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise RewardError(f"reward fn {name}: value at index {index} is not a real number: {value!r}")
+            raise RewardError(f"reward fn {name}: value at {where(index)} is not a real number: {value!r}")
         if not math.isfinite(value):
-            raise RewardError(f"reward fn {name}: value at index {index} is not finite: {value!r}")
+            raise RewardError(f"reward fn {name}: value at {where(index)} is not finite: {value!r}")
         rewards.append(float(value))
     return rewards

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
+from nemo_rollout_correction.trainer.reward_pool import RewardPool
 from nemo_rollout_correction.trainer.rewards import (
     arithmetic_reward,
     length_target_reward,
@@ -102,14 +103,21 @@ class Task:
     Attributes:
         name: one of :data:`TASK_NAMES`.
         records: ``[num_records]`` prompts.
-        reward_fn: a :class:`~nemo_rollout_correction.trainer.rewards.RewardFn`.
-        reward_name: ``module:qualname`` of ``reward_fn``, for logs.
+        reward_fn: a :class:`~nemo_rollout_correction.trainer.rewards.RewardFn`, or a
+            :class:`~nemo_rollout_correction.trainer.reward_pool.RewardPool` around one
+            (``reward_workers >= 1``); either way ``rewards.score(task.reward_fn, ...)`` scores with it.
+        reward_name: ``module:qualname`` of the reward function, for logs.
     """
 
     name: str
     records: list[PromptRecord]
     reward_fn: Callable[..., Sequence[float]]
     reward_name: str
+
+    def close(self) -> None:
+        """Stop the reward worker processes, if any (a later score starts them again)."""
+        if isinstance(self.reward_fn, RewardPool):
+            self.reward_fn.close()
 
 
 def arithmetic_records(
@@ -188,6 +196,8 @@ def build_task(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     reward_fn: str | Callable[..., Sequence[float]] | None = None,
+    reward_workers: int = 0,
+    reward_timeout_s: float = 60.0,
     **unused: Any,
 ) -> Task:
     """Build a task from the ``task:`` config section (see docs/tasks.md).
@@ -201,13 +211,17 @@ def build_task(
         dataset_path, prompt_key, answer_key: ``dataset``: the file and its field names.
         reward_fn: overrides the task's default reward: a callable, a built-in name
             (``arithmetic``, ``length_target``) or ``"pkg.module:callable"`` / ``"file.py:callable"``.
+        reward_workers: 0 scores in this process (one call per step); ``N >= 1`` scores in a pool of ``N``
+            processes, one call per completion (see ``trainer/reward_pool.py`` for what that needs).
+        reward_timeout_s: with a pool, the bound on one call in seconds.
         **unused: other ``task`` fields (``prompts_per_step``, ``use_chat_template``) are accepted and
             ignored, so the whole config section can be passed.
 
     Raises:
         ValueError: unknown task name, ``dataset`` without ``dataset_path``, a dataset without a
             ``reward_fn`` whose answers are not all numeric, or a bad option value.
-        DatasetError, RewardError: from loading the file or the reward function.
+        DatasetError, RewardError: from loading the file or the reward function (or a reward function
+            that cannot be pickled for the pool).
     """
     del unused
     if name == "arithmetic":
@@ -232,7 +246,14 @@ def build_task(
     else:
         raise ValueError(f"task.reward_fn must be a string 'pkg.module:callable' or a callable, got {reward_fn!r}")
     assert resolved is not None  # dataset without numeric answers raised in _all_numeric_answers
-    return Task(name=name, records=records, reward_fn=resolved, reward_name=reward_fn_name(resolved))
+    reward_name = reward_fn_name(resolved)
+    if isinstance(reward_workers, bool) or not isinstance(reward_workers, int) or reward_workers < 0:
+        raise ValueError(f"task.reward_workers must be an integer >= 0, got {reward_workers!r}")
+    if reward_workers > 0:
+        # A string spec is loaded again in each worker: a file spec's module exists only in this process.
+        spec = reward_fn if isinstance(reward_fn, str) else None
+        resolved = RewardPool(resolved, reward_workers, reward_timeout_s, spec=spec)
+    return Task(name=name, records=records, reward_fn=resolved, reward_name=reward_name)
 
 
 def _all_numeric_answers(records: list[PromptRecord], path: str | Path) -> bool:
