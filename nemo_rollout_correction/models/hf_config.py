@@ -118,6 +118,17 @@ class ModelArch:
     family: str = "llama"
     qk_norm: bool = False
     rope: RopeSpec = field(default_factory=RopeSpec)
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: dense MLPs)."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to 1 (else softmax over all experts, then top-k)."""
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether every decoder layer's MLP is a mixture of experts."""
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -131,9 +142,11 @@ class ModelArch:
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ValueError naming the dimension that `tp` does not divide."""
-        for name, value in (("num_key_value_heads", self.num_key_value_heads), ("vocab_size", self.vocab_size),
-                            ("intermediate_size", self.intermediate_size),
-                            ("num_attention_heads", self.num_attention_heads)):
+        sizes = [("num_key_value_heads", self.num_key_value_heads), ("vocab_size", self.vocab_size),
+                 ("intermediate_size", self.intermediate_size), ("num_attention_heads", self.num_attention_heads)]
+        if self.is_moe:  # experts are tensor-parallel over the same ranks (expert TP = TP)
+            sizes[2] = ("moe_intermediate_size", self.moe_intermediate_size)
+        for name, value in sizes:
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}; "
                                  f"choose a divisor of {value}")
@@ -195,6 +208,7 @@ class FamilySpec:
     checks: tuple[_Check, ...]
     qkv_bias: Callable[[Mapping[str, Any]], bool]
     qk_norm: bool = False
+    moe: bool = False
 
 
 _CORE_KEYS = frozenset({
@@ -207,6 +221,22 @@ _COMMON_CHECKS: tuple[_Check, ...] = (
     _check_activation,
     _refuse_nonzero("attention_dropout", "dropout inside attention; the trainer runs none"),
 )
+def _check_moe_layers(config: Mapping[str, Any], arch: str) -> None:
+    """Only models whose every layer is a MoE layer (no interleaved dense MLPs)."""
+    if config.get("mlp_only_layers"):
+        raise ValueError(f"{arch}: mlp_only_layers={config['mlp_only_layers']!r} is not supported (every layer "
+                         "must be a MoE layer)")
+    if int(config.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"{arch}: decoder_sparse_step={config['decoder_sparse_step']!r} is not supported (every "
+                         "layer must be a MoE layer)")
+
+
+# Keys of Qwen3-MoE. `router_aux_loss_coef` and `output_router_logits` only concern transformers' own
+# load-balancing loss, never the logits; the trainer adds no auxiliary loss (RL fine-tuning keeps the router's
+# balance as it is), so they are read and deliberately unused.
+_MOE_KEYS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
+                       "output_router_logits"})
 _O_PROJ_BIAS = _refuse_true("attention_bias", "it also adds an o_proj bias, which the converter does not map")
 
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
@@ -218,6 +248,10 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
                (*_COMMON_CHECKS, _check_sliding_window), lambda c: True),
     FamilySpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _CORE_KEYS | _SLIDING_KEYS | {"attention_bias"},
                (*_COMMON_CHECKS, _check_sliding_window, _O_PROJ_BIAS), lambda c: False, qk_norm=True),
+    FamilySpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",),
+               _CORE_KEYS | _SLIDING_KEYS | _MOE_KEYS | {"attention_bias"},
+               (*_COMMON_CHECKS, _check_sliding_window, _O_PROJ_BIAS, _check_moe_layers), lambda c: False,
+               qk_norm=True, moe=True),
 )}
 SUPPORTED_ARCHITECTURES = tuple(arch for spec in FAMILIES.values() for arch in spec.architectures)
 
@@ -313,6 +347,15 @@ def parse_hf_config(config: Mapping[str, Any]) -> ModelArch:
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     rope = parse_rope(config, arch)
+    moe: dict[str, Any] = {}
+    if spec.moe:
+        experts = config.get("num_local_experts", config.get("num_experts"))
+        if not experts or not config.get("num_experts_per_tok") or not config.get("moe_intermediate_size"):
+            raise ValueError(f"{arch}: num_local_experts (or num_experts), num_experts_per_tok and "
+                             "moe_intermediate_size are required")
+        moe = {"num_experts": int(experts), "num_experts_per_tok": int(config["num_experts_per_tok"]),
+               "moe_intermediate_size": int(config["moe_intermediate_size"]),
+               "norm_topk_prob": bool(config.get("norm_topk_prob", False))}
     return ModelArch(
         architecture=arch,
         vocab_size=int(config["vocab_size"]),
@@ -330,6 +373,7 @@ def parse_hf_config(config: Mapping[str, Any]) -> ModelArch:
         family=spec.name,
         qk_norm=spec.qk_norm,
         rope=rope,
+        **moe,
     )
 
 

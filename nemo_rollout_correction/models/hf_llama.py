@@ -2,11 +2,11 @@
 
 Supported families (`models.hf_config.FAMILIES`): `LlamaForCausalLM` (Llama 2, Llama 3.0-3.3 with `llama3`
 RoPE scaling, SmolLM/SmolLM2), `MistralForCausalLM` (no binding sliding window), `Qwen2ForCausalLM` (q/k/v
-biases) and `Qwen3ForCausalLM` (q/k RMSNorm: Megatron's `qk_layernorm`). All are RMSNorm + SwiGLU + RoPE +
-grouped-query attention, tied or untied embeddings. `models.hf_config` reads and validates `config.json`
-(refusing, by name, every key it does not build exactly); `models.hf_mapping` holds the declarative
-parameter table from which loading, export and the expected-name check derive. This module builds the
-Megatron-Core model and re-exports the converter's public names.
+biases), `Qwen3ForCausalLM` (q/k RMSNorm: Megatron's `qk_layernorm`) and `Qwen3MoeForCausalLM` (Megatron's
+MoE layer, TP = EP = 1). All are RMSNorm + SwiGLU + RoPE + grouped-query attention, tied or untied
+embeddings. `models.hf_config` reads and validates `config.json` (refusing, by name, every key it does not
+build exactly); `models.hf_mapping` holds the declarative parameter table from which loading, export and the
+expected-name check derive. This module builds the Megatron-Core model and re-exports the converter's names.
 
 Everything Megatron is imported lazily: importing this module does not need the `megatron` extra.
 """
@@ -76,8 +76,52 @@ def transformer_config(arch: ModelArch, *, tensor_parallel_size: int = 1, pipeli
         "attention_softmax_in_fp32": True,
         "fp32_residual_connection": False,
     }
+    if arch.is_moe:
+        if tensor_parallel_size != 1:
+            # Megatron-Core's MoE layer refuses TP > 1 without sequence parallelism in training, and sequence
+            # parallelism needs the Apex/TE norms (not on CPU); the package does not enable it yet.
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported for the MoE model "
+                             f"{arch.architecture} yet (Megatron-Core's MoE layer needs sequence parallelism with "
+                             "TP > 1); use tensor_parallel_size=1")
+        fields.update(moe_fields(arch))
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def moe_fields(arch: ModelArch) -> dict[str, Any]:
+    """`TransformerConfig` fields of a Qwen3-MoE-style layer: softmax router, top-k, no auxiliary loss.
+
+    transformers' router takes a softmax over all experts, then the top k, and renormalises them when
+    `norm_topk_prob`. Renormalised top-k of a softmax equals a softmax over the top-k logits, which is Megatron's
+    `moe_router_pre_softmax=False`; without renormalisation it is `moe_router_pre_softmax=True`. Experts are
+    local (`SequentialMLP`, no grouped GEMM) and the token dispatcher is `allgather` (no expert parallelism).
+    """
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if ep != 1:
+        raise ValueError(f"expert_model_parallel_size={ep} is not supported yet for {arch.architecture} (use 1)")
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_router_topk": arch.num_experts_per_tok,
+        "moe_ffn_hidden_size": arch.moe_intermediate_size,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.norm_topk_prob,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+    }
+
+
+def _define_te_general_gemm() -> None:
+    """megatron-core 0.16.1's `router_gating_linear` tests `te_general_gemm is not None`, a name its module
+    defines only when Transformer Engine imports: without TE the router raises NameError. Defining it as None
+    selects the module's own torch path (what it intends without TE)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def transformer_engine_available() -> bool:
@@ -107,10 +151,14 @@ def build_gpt_model(arch: ModelArch, config: Any, *, pre_process: bool = True, p
     patch_cuda_for_cpu()
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     if use_te:
-        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm,
-                                                                      normalization="RMSNorm")
+        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
+            normalization="RMSNorm")
     else:
-        layer_spec = specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        layer_spec = specs.get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+                                                    qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        if arch.is_moe:
+            _define_te_general_gemm()
         if config.context_parallel_size > 1:
             from nemo_rollout_correction.models.cp_attention import AllGatherContextParallelAttention
 
@@ -153,6 +201,7 @@ __all__ = [
     "fused_qkv",
     "iter_hf_weights",
     "load_hf_weights",
+    "moe_fields",
     "read_arch",
     "set_rope_frequencies",
     "split_qkv",

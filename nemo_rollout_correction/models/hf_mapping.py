@@ -85,9 +85,19 @@ def mappings(arch: ModelArch) -> tuple[ParamMapping, ...]:
              "self_attn.v_proj.weight", tp_dim=0, pack="qkv"),
         _row("self_attention.linear_proj.weight", "self_attn.o_proj.weight", tp_dim=1),
         _row("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-        _row("mlp.linear_fc1.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", tp_dim=0, pack="gate_up"),
-        _row("mlp.linear_fc2.weight", "mlp.down_proj.weight", tp_dim=1),
     ]
+    if arch.is_moe:
+        # Megatron's MoE layer (local spec, `SequentialMLP`): a replicated router and one gated MLP per expert.
+        # Expert parallelism is 1 (checked in `hf_llama.transformer_config`), so local expert e is global expert e.
+        rows.append(_row("mlp.router.weight", "mlp.gate.weight"))
+        for e in range(arch.num_experts):
+            rows += [_row(f"mlp.experts.local_experts.{e}.linear_fc1.weight", f"mlp.experts.{e}.gate_proj.weight",
+                          f"mlp.experts.{e}.up_proj.weight", tp_dim=0, pack="gate_up"),
+                     _row(f"mlp.experts.local_experts.{e}.linear_fc2.weight", f"mlp.experts.{e}.down_proj.weight",
+                          tp_dim=1)]
+    else:
+        rows += [_row("mlp.linear_fc1.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", tp_dim=0, pack="gate_up"),
+                 _row("mlp.linear_fc2.weight", "mlp.down_proj.weight", tp_dim=1)]
     if not arch.tie_word_embeddings:
         rows.append(ParamMapping("output_layer.weight", ("lm_head.weight",), 0, per_layer=False))
     if arch.qkv_bias:

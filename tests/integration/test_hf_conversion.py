@@ -28,13 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_conversion_worker
 import dist_harness  # noqa: E402
 import hf_conversion_worker  # noqa: E402
 import tiny_families  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from nemo_rollout_correction.models.hf_llama import LlamaArch, expected_hf_names, read_arch  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
 VOCAB = 256
 FAMILY_CASES = [("llama", False), ("llama", True), ("qwen2", False), ("llama31", False), ("llama32", True),
-                ("qwen3", False), ("qwen3", True), ("mistral", False)]
+                ("qwen3", False), ("qwen3", True), ("mistral", False), ("qwen3_moe", False),
+                ("qwen3_moe_nonorm", True)]
 
 
 def _write(kind: str, tied: bool, root: Path) -> tuple[Path, torch.nn.Module]:
@@ -54,7 +56,7 @@ def test_matches_transformers_and_round_trips(megatron_runtime: object, tmp_path
     hf_dir, reference = _write(kind, tied, tmp_path)
     arch = read_arch(hf_dir)
     assert arch.qkv_bias == (kind == "qwen2") and arch.tie_word_embeddings == tied
-    assert arch.qk_norm == (kind == "qwen3")
+    assert arch.qk_norm == kind.startswith("qwen3") and arch.is_moe == kind.startswith("qwen3_moe")
     assert arch.rope.rope_type == ("llama3" if kind.startswith("llama3") else "default")
     ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
     policy = MegatronPolicy.from_hf(hf_dir)
@@ -62,7 +64,8 @@ def test_matches_transformers_and_round_trips(megatron_runtime: object, tmp_path
         ours = policy.token_logprobs(ids)
     torch.testing.assert_close(ours, _reference_logprobs(reference, ids), atol=1e-5, rtol=1e-5)
     exported = policy.hf_state_dict()
-    original = {k: v for k, v in reference.state_dict().items() if not (tied and k == "lm_head.weight")}
+    # the checkpoint as saved (MoE experts per expert, as on disk and in vLLM; transformers 5 fuses them in memory)
+    original = load_file(str(hf_dir / "model.safetensors"))
     assert set(exported) == set(original) == expected_hf_names(arch)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
@@ -145,7 +148,7 @@ def test_tensor_parallel_2_matches_transformers(tmp_path: Path, kind: str, tied:
     for result in ranks:
         assert result["logits_shard_shape"] == (2, 13, VOCAB // 2)
         torch.testing.assert_close(result["logprobs"], expected, atol=1e-5, rtol=1e-5)
-        original = {k: v for k, v in reference.state_dict().items() if not (tied and k == "lm_head.weight")}
+        original = load_file(str(hf_dir / "model.safetensors"))
         assert set(result["exported"]) == set(original)
         for name, tensor in original.items():
             assert torch.equal(result["exported"][name], tensor), name
@@ -164,6 +167,18 @@ def test_unsupported_architectures_are_refused() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_key_value_heads=3"):
         LlamaArch.from_hf_config({**base, "num_attention_heads": 9, "num_key_value_heads": 3,
                                   "hidden_size": 576}).check_tensor_parallel(2)
+
+
+def test_moe_refuses_tensor_and_expert_parallelism(tmp_path: Path) -> None:
+    from nemo_rollout_correction.models.hf_llama import transformer_config
+
+    hf_dir, _ = _write("qwen3_moe", False, tmp_path)
+    arch = read_arch(hf_dir)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob) == (4, 2, True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for the MoE model"):
+        transformer_config(arch, tensor_parallel_size=2)
+    config = transformer_config(arch)  # no parallel state: expert parallelism 1
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_router_pre_softmax) == (4, 2, False)
 
 
 def test_transformer_config_for_pipeline_parallelism() -> None:

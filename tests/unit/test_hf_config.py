@@ -50,11 +50,19 @@ def test_inert_patterns() -> None:
     assert parse_hf_config({**_config("llama"), "_model_name_or_path": "x", "unk_token_id": 0}).family == "llama"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_tiny_configs_parse(family: str) -> None:
     arch = parse_hf_config(_config(family))
     assert arch.family == family and arch.head_dim == 32 and arch.num_key_value_heads == 1
-    assert arch.qk_norm == (family == "qwen3") and arch.qkv_bias == (family == "qwen2")
+    assert arch.qk_norm == family.startswith("qwen3") and arch.qkv_bias == (family == "qwen2")
+    assert arch.is_moe == (family == "qwen3_moe")
+
+
+def test_qwen3_moe_fields() -> None:
+    arch = parse_hf_config(_config("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   norm_topk_prob=True))
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size, arch.norm_topk_prob) == (
+        8, 2, 32, True)
 
 
 def test_mistral_window_is_refused_unless_it_cannot_bind() -> None:
@@ -78,6 +86,8 @@ def test_mistral_window_is_refused_unless_it_cannot_bind() -> None:
      "rope_type='dynamic'"),
     ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not supported"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported"),
 ])
 def test_math_changing_values_are_refused_by_name(family: str, overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
