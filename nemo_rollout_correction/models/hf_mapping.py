@@ -34,6 +34,7 @@ dict. A plain `Mapping[str, Tensor]` works too (tests, in-memory state dicts).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator, Mapping
@@ -115,23 +116,26 @@ TE_ALIASES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.we
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
+@functools.lru_cache(maxsize=8)
+def _rows_by_name(arch: ModelArch) -> dict[tuple[bool, str], ParamMapping]:
+    return {(row.per_layer, row.megatron): row for row in mappings(arch)}
+
+
 def _lookup(arch: ModelArch, name: str, model: nn.Module) -> tuple[ParamMapping, int | None]:
     """The table row of Megatron parameter `name` and its global layer index (None for global rows)."""
     match = _LAYER.match(name)
-    table = mappings(arch)
     if match is None:
         if name == "output_layer.weight" and arch.tie_word_embeddings:  # last stage's copy of a tied embedding
             return ParamMapping(name, ("model.embed_tokens.weight",), 0, per_layer=False), None
-        rows = [row for row in table if not row.per_layer and row.megatron == name]
+        row = _rows_by_name(arch).get((False, name))
         layer = None
     else:
-        suffix = TE_ALIASES.get(match.group(2), match.group(2))
-        rows = [row for row in table if row.per_layer and row.megatron == suffix]
+        row = _rows_by_name(arch).get((True, TE_ALIASES.get(match.group(2), match.group(2))))
         layer_module: Any = model.decoder.layers[int(match.group(1))]  # type: ignore[union-attr, index]
         layer = int(layer_module.layer_number) - 1  # pipeline stages offset local indices
-    if not rows:
+    if row is None:
         raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r} ({arch.architecture})")
-    return rows[0], layer
+    return row, layer
 
 
 # --- reading ----------------------------------------------------------------------------------------

@@ -124,6 +124,18 @@ def test_reads_only_the_rank_slices(tmp_path: Path) -> None:
                 assert torch.equal(ours, expected), (row.megatron, rank)
 
 
+def test_missing_tensor_is_named(megatron_runtime: object, tmp_path: Path) -> None:
+    from nemo_rollout_correction.models.hf_mapping import load_hf_weights
+    from nemo_rollout_correction.models.policy import MegatronPolicy
+
+    hf_dir, _ = _write("qwen3", False, tmp_path)
+    policy = MegatronPolicy.from_hf(hf_dir)
+    state = load_file(str(hf_dir / "model.safetensors"))
+    del state["model.layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(KeyError, match=r"k_layernorm.weight: Hugging Face tensor\(s\) \['model.layers.1.self_attn"):
+        load_hf_weights(policy.model, state, policy.arch)
+
+
 def test_sharded_checkpoint_with_index(megatron_runtime: object, tmp_path: Path) -> None:
     """A checkpoint split over several safetensors files (model.safetensors.index.json) loads the same."""
     from nemo_rollout_correction.models.policy import MegatronPolicy
