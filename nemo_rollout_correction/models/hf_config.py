@@ -277,8 +277,13 @@ def parse_rope(config: Mapping[str, Any], arch: str) -> RopeSpec:
         if not isinstance(params, Mapping) or ("rope_type" not in params and "type" not in params):
             raise ValueError(f"{arch}: rope_parameters={params!r} is not supported (per-layer-type RoPE or no "
                              "rope_type)")
-        sources.append(("rope_parameters", dict(params)))
-    if config.get("rope_scaling") or "rope_theta" in config:
+        merged = dict(params)
+        top_theta = config.get("rope_theta")  # theta kept at the top level too
+        if top_theta is not None and float(merged.setdefault("rope_theta", top_theta)) != float(top_theta):
+            raise ValueError(f"{arch}: rope_theta={top_theta!r} and rope_parameters.rope_theta="
+                             f"{merged['rope_theta']!r} disagree")
+        sources.append(("rope_parameters", merged))
+    if config.get("rope_scaling") or ("rope_theta" in config and not sources):
         legacy = dict(config.get("rope_scaling") or {"rope_type": "default"})
         if "rope_theta" in config:
             legacy["rope_theta"] = config["rope_theta"]

@@ -116,6 +116,10 @@ def test_llama3_rope_in_both_layouts() -> None:
     v4 = {k: v for k, v in _config("llama").items() if k != "rope_parameters"}
     v4 |= {"rope_theta": 500000.0, "rope_scaling": dict(LLAMA31)}
     assert parse_hf_config(v4).rope == v5.rope == RopeSpec("llama3", 500000.0, 8.0, 1.0, 4.0, 8192)
+    split = {**v4, "rope_scaling": None, "rope_parameters": dict(LLAMA31)}  # theta only at the top level
+    assert parse_hf_config(split).rope == v5.rope
+    with pytest.raises(ValueError, match=r"rope_theta=10000\.0 and rope_parameters\.rope_theta=500000\.0 disagree"):
+        parse_hf_config({**split, "rope_theta": 10000.0, "rope_parameters": {**LLAMA31, "rope_theta": 500000.0}})
     with pytest.raises(ValueError, match="disagree"):
         parse_hf_config({**v4, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
     incomplete = {k: v for k, v in LLAMA31.items() if k != "low_freq_factor"}
