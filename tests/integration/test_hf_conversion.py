@@ -150,8 +150,7 @@ def test_sharded_checkpoint_with_index(megatron_runtime: object, tmp_path: Path)
 
 
 @pytest.mark.parametrize(("kind", "tied"), [
-    ("llama", False), ("qwen3", False),
-    pytest.param("llama32", True, marks=pytest.mark.slow), pytest.param("qwen2", False, marks=pytest.mark.slow)])
+    ("llama", False), ("qwen3", False), ("llama32", True), ("qwen2", False)])
 def test_tensor_parallel_2_matches_transformers(tmp_path: Path, kind: str, tied: bool) -> None:
     hf_dir, reference = _write(kind, tied, tmp_path)
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
