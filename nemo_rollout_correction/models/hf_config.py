@@ -237,6 +237,10 @@ def _check_moe_layers(config: Mapping[str, Any], arch: str) -> None:
 _MOE_KEYS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
                        "output_router_logits"})
+# Keys of Mixtral: experts are `intermediate_size` wide and the top k always renormalised. Router jitter is
+# multiplicative noise on the router input in training mode, which the trainer does not add: refused unless 0.
+_MIXTRAL_KEYS = frozenset({"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
+                           "router_jitter_noise"})
 _O_PROJ_BIAS = _refuse_true("attention_bias", "it also adds an o_proj bias, which the converter does not map")
 
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
@@ -252,6 +256,10 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
                _CORE_KEYS | _SLIDING_KEYS | _MOE_KEYS | {"attention_bias"},
                (*_COMMON_CHECKS, _check_sliding_window, _O_PROJ_BIAS, _check_moe_layers), lambda c: False,
                qk_norm=True, moe=True),
+    FamilySpec("mixtral", ("MixtralForCausalLM",), ("mixtral",), _CORE_KEYS | {"sliding_window"} | _MIXTRAL_KEYS,
+               (*_COMMON_CHECKS, _check_sliding_window,
+                _refuse_nonzero("router_jitter_noise", "router input noise; the trainer adds none")),
+               lambda c: False, moe=True),
 )}
 SUPPORTED_ARCHITECTURES = tuple(arch for spec in FAMILIES.values() for arch in spec.architectures)
 
@@ -354,13 +362,15 @@ def parse_hf_config(config: Mapping[str, Any]) -> ModelArch:
     rope = parse_rope(config, arch)
     moe: dict[str, Any] = {}
     if spec.moe:
+        mixtral = spec.name == "mixtral"  # experts as wide as `intermediate_size`, top k always renormalised
         experts = config.get("num_local_experts", config.get("num_experts"))
-        if not experts or not config.get("num_experts_per_tok") or not config.get("moe_intermediate_size"):
+        width = config.get("intermediate_size" if mixtral else "moe_intermediate_size")
+        if not experts or not config.get("num_experts_per_tok") or not width:
             raise ValueError(f"{arch}: num_local_experts (or num_experts), num_experts_per_tok and "
-                             "moe_intermediate_size are required")
+                             f"{'intermediate_size' if mixtral else 'moe_intermediate_size'} are required")
         moe = {"num_experts": int(experts), "num_experts_per_tok": int(config["num_experts_per_tok"]),
-               "moe_intermediate_size": int(config["moe_intermediate_size"]),
-               "norm_topk_prob": bool(config.get("norm_topk_prob", False))}
+               "moe_intermediate_size": int(width),
+               "norm_topk_prob": True if mixtral else bool(config.get("norm_topk_prob", False))}
     return ModelArch(
         architecture=arch,
         vocab_size=int(config["vocab_size"]),

@@ -2,11 +2,12 @@
 
 Supported families (`models.hf_config.FAMILIES`): `LlamaForCausalLM` (Llama 2, Llama 3.0-3.3 with `llama3`
 RoPE scaling, SmolLM/SmolLM2), `MistralForCausalLM` (no binding sliding window), `Qwen2ForCausalLM` (q/k/v
-biases), `Qwen3ForCausalLM` (q/k RMSNorm: Megatron's `qk_layernorm`) and `Qwen3MoeForCausalLM` (Megatron's
-MoE layer, TP = EP = 1). All are RMSNorm + SwiGLU + RoPE + grouped-query attention, tied or untied
-embeddings. `models.hf_config` reads and validates `config.json` (refusing, by name, every key it does not
-build exactly); `models.hf_mapping` holds the declarative parameter table from which loading, export and the
-expected-name check derive. This module builds the Megatron-Core model and re-exports the converter's names.
+biases), `Qwen3ForCausalLM` (q/k RMSNorm: Megatron's `qk_layernorm`), `Qwen3MoeForCausalLM` and
+`MixtralForCausalLM` (Megatron's MoE layer, TP = EP = 1). All are RMSNorm + SwiGLU + RoPE + grouped-query
+attention, tied or untied embeddings. `models.hf_config` reads and validates `config.json` (refusing, by
+name, every key it does not build exactly); `models.hf_mapping` holds the declarative parameter table from
+which loading, export and the expected-name check derive. This module builds the Megatron-Core model and
+re-exports the converter's names.
 
 Everything Megatron is imported lazily: importing this module does not need the `megatron` extra.
 """

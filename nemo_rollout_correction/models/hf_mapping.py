@@ -90,12 +90,16 @@ def mappings(arch: ModelArch) -> tuple[ParamMapping, ...]:
     if arch.is_moe:
         # Megatron's MoE layer (local spec, `SequentialMLP`): a replicated router and one gated MLP per expert.
         # Expert parallelism is 1 (checked in `hf_llama.transformer_config`), so local expert e is global expert e.
-        rows.append(_row("mlp.router.weight", "mlp.gate.weight"))
+        # HF names: Qwen3-MoE `mlp.gate` + `mlp.experts.E.{gate,up,down}_proj`; Mixtral `block_sparse_moe.gate` +
+        # `block_sparse_moe.experts.E.{w1,w3,w2}` (w1 = gate, w3 = up, w2 = down).
+        moe, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if arch.family == "mixtral" else
+                                 ("mlp", ("gate_proj", "up_proj", "down_proj")))
+        rows.append(_row("mlp.router.weight", f"{moe}.gate.weight"))
         for e in range(arch.num_experts):
-            rows += [_row(f"mlp.experts.local_experts.{e}.linear_fc1.weight", f"mlp.experts.{e}.gate_proj.weight",
-                          f"mlp.experts.{e}.up_proj.weight", tp_dim=0, pack="gate_up"),
-                     _row(f"mlp.experts.local_experts.{e}.linear_fc2.weight", f"mlp.experts.{e}.down_proj.weight",
-                          tp_dim=1)]
+            experts = f"{moe}.experts.{e}"
+            rows += [_row(f"mlp.experts.local_experts.{e}.linear_fc1.weight", f"{experts}.{gate}.weight",
+                          f"{experts}.{up}.weight", tp_dim=0, pack="gate_up"),
+                     _row(f"mlp.experts.local_experts.{e}.linear_fc2.weight", f"{experts}.{down}.weight", tp_dim=1)]
     else:
         rows += [_row("mlp.linear_fc1.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", tp_dim=0, pack="gate_up"),
                  _row("mlp.linear_fc2.weight", "mlp.down_proj.weight", tp_dim=1)]

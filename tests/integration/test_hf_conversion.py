@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.integration]
 VOCAB = 256
 FAMILY_CASES = [("llama", False), ("llama", True), ("qwen2", False), ("llama31", False), ("llama32", True),
                 ("qwen3", False), ("qwen3", True), ("mistral", False), ("qwen3_moe", False),
-                ("qwen3_moe_nonorm", True)]
+                ("qwen3_moe_nonorm", True), ("mixtral", False)]
 
 
 def _write(kind: str, tied: bool, root: Path) -> tuple[Path, torch.nn.Module]:
@@ -56,7 +56,8 @@ def test_matches_transformers_and_round_trips(megatron_runtime: object, tmp_path
     hf_dir, reference = _write(kind, tied, tmp_path)
     arch = read_arch(hf_dir)
     assert arch.qkv_bias == (kind == "qwen2") and arch.tie_word_embeddings == tied
-    assert arch.qk_norm == kind.startswith("qwen3") and arch.is_moe == kind.startswith("qwen3_moe")
+    assert arch.qk_norm == kind.startswith("qwen3")
+    assert arch.is_moe == (kind.startswith("qwen3_moe") or kind == "mixtral")
     assert arch.rope.rope_type == ("llama3" if kind.startswith("llama3") else "default")
     ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
     policy = MegatronPolicy.from_hf(hf_dir)

@@ -130,7 +130,8 @@ def test_parity_tiny_llama_fp32_and_after_refit(megatron_state: None, tmp_path: 
 @pytest.mark.parametrize(("kind", "tied"), [
     ("llama31", False), ("qwen3", False),
     pytest.param("llama32", True, marks=pytest.mark.slow), pytest.param("qwen2", False, marks=pytest.mark.slow),
-    pytest.param("mistral", False, marks=pytest.mark.slow), pytest.param("qwen3_moe", False, marks=pytest.mark.slow)])
+    pytest.param("mistral", False, marks=pytest.mark.slow), pytest.param("qwen3_moe", False, marks=pytest.mark.slow),
+    pytest.param("mixtral", False, marks=pytest.mark.slow)])
 def test_parity_families_fp32_and_after_refit(megatron_state: None, tmp_path: Path, kind: str, tied: bool) -> None:
     # llama31 is the regression case of the silent RoPE mismatch: vLLM applies the llama3 scaling it reads from
     # transformers 5's rope_parameters, and so must the trainer (unscaled, `nrc audit` measured 1.0e-2).

