@@ -1,4 +1,4 @@
-"""The trainer's policy: a Megatron-Core `GPTModel` loaded from a Hugging Face Llama-family checkpoint.
+"""The trainer's policy: a Megatron-Core `GPTModel` loaded from a Hugging Face checkpoint (`hf_config.FAMILIES`).
 
 `MegatronPolicy.from_hf` builds the model for the current `megatron.core.parallel_state` (TP size from
 it), loads and shards the Hugging Face weights, and scores token sequences: `token_logprobs` returns the
@@ -28,10 +28,10 @@ from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
 from nemo_rollout_correction.distributed.tensor_gather import group_rank, group_size
 from nemo_rollout_correction.distributed.vocab_parallel import vocab_parallel_logprobs
 from nemo_rollout_correction.models.hf_llama import (
-    LlamaArch,
+    ModelArch,
+    SafetensorsCheckpoint,
     build_gpt_model,
     iter_hf_weights,
-    load_hf_state_dict,
     load_hf_weights,
     read_arch,
     transformer_config,
@@ -56,7 +56,7 @@ class MegatronPolicy:
     """A Megatron-Core GPT policy plus the metadata needed to score tokens and export weights."""
 
     model: nn.Module
-    arch: LlamaArch
+    arch: ModelArch
     hf_dir: Path
     tp_group: Any = None
     pp_size: int = 1
@@ -80,8 +80,8 @@ class MegatronPolicy:
                 use_transformer_engine: bool | None = None) -> MegatronPolicy:
         """Build this rank's model stage for `parallel_state`'s TP/PP sizes and load the HF weights.
 
-        `megatron.core.parallel_state` must be initialised (also for one process). Every rank reads the
-        Hugging Face files itself (they are small on the machines this targets; on a cluster they sit on
+        `megatron.core.parallel_state` must be initialised (also for one process). Every rank reads from the
+        Hugging Face safetensors files only the tensor slices its own shard needs (on a cluster they sit on
         a shared filesystem).
         """
         from megatron.core import parallel_state as ps
@@ -101,7 +101,8 @@ class MegatronPolicy:
         with cuda_to_cpu():
             model = build_gpt_model(arch, config, pre_process=ps.is_pipeline_first_stage(), post_process=last,
                                     use_transformer_engine=use_transformer_engine)
-        load_hf_weights(model, load_hf_state_dict(hf_dir), arch, tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp)
+        with SafetensorsCheckpoint(hf_dir) as checkpoint:
+            load_hf_weights(model, checkpoint, arch, tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp)
         group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp, is_last_stage=last)
 
