@@ -176,9 +176,13 @@ class GrpoTrainer:
         self.pad_id = pad_token_id(self.tokenizer)
         start = time.perf_counter()
         self.policy = MegatronPolicy.from_hf(self.hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
+        if cfg.policy.lm_head_fp32:
+            self.policy.use_fp32_lm_head()
         self.reference: MegatronPolicy | None = None
         if cfg.grpo.kl_coef > 0:
             self.reference = MegatronPolicy.from_hf(self.hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
+            if cfg.policy.lm_head_fp32:
+                self.reference.use_fp32_lm_head()
             self.reference.model.eval()
             for param in self.reference.model.parameters():
                 param.requires_grad_(False)
