@@ -274,14 +274,14 @@ class GRPOConfig:
     ppo_epochs: int = _f(1, "Passes over a step's rollouts; old_logprobs stay those of the policy before the first.")
     # -- DAPO: dynamic sampling and overlong handling (core/dapo.py, trainer/dynamic_sampling.py) --
     dynamic_sampling: bool = _f(False, "Drop prompt groups whose rewards are all equal (no advantage) and refill "
-                                "the batch from further prompts (DAPO). Not yet called by the step: docs/training.md.")
+                                "the batch from further prompts (DAPO; docs/training.md).")
     max_refill_batches: int = _f(2, "dynamic_sampling: extra prompt batches a step may generate to refill; then "
                                  "zero-variance groups fill the rest (all zero-variance: the update is skipped).")
     overlong_filter: bool = _f(False, "Remove truncated responses (finish_reason=length) from the loss (DAPO "
-                               "overlong filtering). Not yet called by the step: docs/training.md.")
+                               "overlong filtering; docs/training.md).")
     overlong_penalty: bool = _f(False, "Add DAPO's soft overlong penalty to the reward: 0 up to rollout.max_new_tokens "
-                                "- overlong_buffer_len tokens, then linear down to -overlong_penalty_factor. Not yet "
-                                "called by the step: docs/training.md.")
+                                "- overlong_buffer_len tokens, then linear down to -overlong_penalty_factor "
+                                "(docs/training.md).")
     overlong_buffer_len: int = _f(16, "overlong_penalty: length of the soft-penalty region in tokens "
                                   "(<= rollout.max_new_tokens).")
     overlong_penalty_factor: float = _f(1.0, "overlong_penalty: the penalty at rollout.max_new_tokens tokens "

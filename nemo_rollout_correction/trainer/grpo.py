@@ -76,6 +76,7 @@ from nemo_rollout_correction.models.sources import resolve_model_source
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
 from nemo_rollout_correction.trainer import checkpoint as ckpt
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
+from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter, collect_step_rollouts
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
 from nemo_rollout_correction.trainer.rewards import score
 from nemo_rollout_correction.trainer.settings import (
@@ -167,6 +168,15 @@ class GrpoTrainer:
         task_name = task_options.pop("name")
         self.task = build_task(task_name, seed=cfg.run.seed, **task_options)
         self.sampler = PromptSampler(self.task.records, cfg.task.prompts_per_step, seed=cfg.run.seed)
+        self.dapo = DapoOptions.from_config(cfg)
+        seeds_per_step = ((cfg.grpo.max_refill_batches + 1) * cfg.task.prompts_per_step
+                          * cfg.rollout.num_samples_per_prompt)
+        if self.dapo.dynamic_sampling and seeds_per_step >= _STEP_SEED_STRIDE:  # refills would reuse next step's seeds
+            raise ValueError(
+                f"grpo.dynamic_sampling: (grpo.max_refill_batches + 1) x task.prompts_per_step x "
+                f"rollout.num_samples_per_prompt = {seeds_per_step} request seeds per step must stay below "
+                f"{_STEP_SEED_STRIDE}; lower grpo.max_refill_batches"
+            )
 
         self.log(f"[nrc train] model {cfg.model.source}: preparing the Hugging Face checkpoint")
         self.hf_dir = _resolve_on_main(cfg.model.source, runtime)
@@ -263,14 +273,19 @@ class GrpoTrainer:
 
     # ---- one step ----------------------------------------------------------------------------------
 
-    def rollout(self, records: list[PromptRecord]) -> tuple[RolloutBatch, list[float]]:
-        """Generate on the engine rank, score, broadcast; identical (batch, rewards) on every rank."""
+    def rollout(self, records: list[PromptRecord], attempt: int = 0) -> tuple[RolloutBatch, list[float]]:
+        """Generate on the engine rank, score, broadcast; identical (batch, rewards) on every rank.
+
+        `attempt` k > 0 is the step's k-th dynamic-sampling refill: its request seeds follow those of the
+        batches before it, so every refill samples afresh and a resumed run draws the same tokens.
+        """
         batch: RolloutBatch | None = None
         rewards: list[float] | None = None
         if self.engine is not None:
             prompts = [self.prompt_token_ids(r) for r in records]
+            offset = attempt * len(records) * self.cfg.rollout.num_samples_per_prompt
             batch = self.engine.generate(
-                prompts, self.sampling, seed=self.cfg.rollout_seed + self.step_index * _STEP_SEED_STRIDE
+                prompts, self.sampling, seed=self.cfg.rollout_seed + self.step_index * _STEP_SEED_STRIDE + offset
             )
             completions = [s.text for s in batch.samples]
             sample_records = [records[s.prompt_index] for s in batch.samples]
@@ -351,13 +366,19 @@ class GrpoTrainer:
         cfg = self.cfg
         self._timings = dict.fromkeys(("generation", "old_logprob", "ref_logprob", "correction", "train"), 0.0)
         with self._timed("step"):
-            records = self.sampler.next_batch()
-            with self._timed("generation"):
-                batch, rewards = self.rollout(records)
-            reward_t = torch.tensor(rewards, dtype=torch.float32)
-            advantages = grpo_advantages(reward_t, group_size=batch.n,
+            with self._timed("generation"):  # one batch, or DAPO's refills (trainer/dynamic_sampling.py)
+                rollouts = collect_step_rollouts(self.sampler.next_batch(), self.sampler, self.rollout, self.dapo)
+            batch, records = rollouts.batch, rollouts.records
+            if rollouts.warning:
+                self.log(f"[nrc train] step {self.step_index + 1}: {rollouts.warning}")
+            reward_t = torch.tensor(rollouts.task_rewards, dtype=torch.float32)  # the task's reward, for reward/*
+            advantages = grpo_advantages(torch.tensor(rollouts.rewards, dtype=torch.float32), group_size=batch.n,
                                          normalize_by_std=cfg.grpo.normalize_advantages_by_std)
-            mini_batches = self._mini_batches(batch.to_tensors(self.pad_id), advantages)
+            tensors = batch.to_tensors(self.pad_id)
+            tensors["loss_mask"], filter_metrics = apply_overlong_filter(tensors["loss_mask"], batch, self.dapo)
+            if rollouts.skip_update:  # no group to learn from: no optimizer step (Adam would still move weights)
+                return self._finish_step(batch, reward_t, [], None, {**rollouts.metrics, **filter_metrics})
+            mini_batches = self._mini_batches(tensors, advantages)
             every = [mb for mini in mini_batches for mb in mini]
             self.policy.model.train()
             with self._timed("old_logprob"):
@@ -371,8 +392,14 @@ class GrpoTrainer:
             review = self.review(batch, mini_batches, updates, reward_t, records)
             with self._timed("refit"):
                 self.refit()
-            self.step_index += 1
-        metrics = self._metrics(batch, reward_t, updates, self._timings)
+        return self._finish_step(batch, reward_t, updates, review, {**rollouts.metrics, **filter_metrics})
+
+    def _finish_step(self, batch: RolloutBatch, rewards: Tensor, updates: list[Update], review: StepReview | None,
+                     extra: dict[str, float]) -> dict[str, float]:
+        """Count the step, then report its metrics (`metrics.jsonl`, the observer); returns them."""
+        self.step_index += 1
+        self._timings.setdefault("step", sum(self._timings.values()))  # a skipped update leaves the timer early
+        metrics = {**self._metrics(batch, rewards, updates, self._timings), **extra}
         if not self.observer.wants_review(self.step_index):
             review = None
         self.write_metrics(metrics)
@@ -498,12 +525,25 @@ class GrpoTrainer:
 
         num_tokens = max(sum(u.result.sums["num_tokens"] for u in updates), 1.0)
         lengths = torch.tensor([len(s.token_ids) for s in batch.samples], dtype=torch.float32)
-        last = updates[-1].applied
         metrics: dict[str, float] = {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "reward/max": float(rewards.max()),
             "reward/min": float(rewards.min()),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/truncated_fraction": sum(s.finish_reason == "length" for s in batch.samples) / len(batch.samples),
+            "perf/num_samples": float(len(batch.samples)),
+            "perf/num_generated_tokens": float(batch.num_generated_tokens),
+            "perf/generation_tokens_per_s": batch.num_generated_tokens / max(timings["generation"], 1e-9),
+            "optim/num_updates": float(len(updates)),
+        }
+        metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
+        metrics["timing/correction_fraction"] = timings["correction"] / max(timings["step"], 1e-9)
+        if not updates:  # a skipped update (DAPO: no group with reward variance) has no loss or optimizer metrics
+            return metrics
+        last = updates[-1].applied
+        metrics |= {
             "loss/policy": mean([u.result.sums["loss"] for u in updates]),
             "loss/kl_penalty": mean([u.result.sums["kl_penalty"] for u in updates]),
             "loss/pg_clipfrac": mean([clipfrac(u) for u in updates]),
@@ -512,14 +552,7 @@ class GrpoTrainer:
             "loss/grad_norm": mean([u.applied.grad_norm for u in updates]),
             "optim/lr": last.lr,
             "optim/loss_scale": last.loss_scale,
-            "optim/num_updates": float(len(updates)),
             "optim/skipped_updates": float(sum(u.applied.skipped for u in updates)),
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/truncated_fraction": sum(s.finish_reason == "length" for s in batch.samples) / len(batch.samples),
-            "perf/num_samples": float(len(batch.samples)),
-            "perf/num_generated_tokens": float(batch.num_generated_tokens),
-            "perf/generation_tokens_per_s": batch.num_generated_tokens / max(timings["generation"], 1e-9),
             "perf/train_tokens_per_s": num_tokens / max(timings["train"], 1e-9),
         }
         epochs = self.cfg.grpo.ppo_epochs
@@ -528,8 +561,6 @@ class GrpoTrainer:
             for epoch in range(epochs):
                 chunk = updates[epoch * per_epoch:(epoch + 1) * per_epoch]
                 metrics[f"loss/pg_clipfrac_epoch{epoch + 1}"] = mean([clipfrac(u) for u in chunk])
-        metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
-        metrics["timing/correction_fraction"] = timings["correction"] / max(timings["step"], 1e-9)
         for key in updates[0].result.rc_metrics:
             metrics[key] = mean([float(u.result.rc_metrics[key]) for u in updates])
         return metrics
@@ -628,16 +659,17 @@ class GrpoTrainer:
         ess = m.get("rollout_corr/rollout_is_eff_sample_size", math.nan)
         self.log(
             f"[{'#' * done}{'.' * (20 - done)}] step {self.step_index}/{total}  reward {m['reward/mean']:.3f}  "
-            f"loss {m['loss/policy']:+.4f}  kl {kl:.2e}  kept {kept:.3f}  ess {ess:.3f}  "
+            f"loss {m.get('loss/policy', math.nan):+.4f}  kl {kl:.2e}  kept {kept:.3f}  ess {ess:.3f}  "
             f"len {m['response/length_mean']:.1f}  gen {m['timing/generation_s']:.1f}s  "
             f"train {m['timing/train_s']:.1f}s  step {m['timing/step_s']:.1f}s"
         )
 
     def close(self) -> None:
-        """Stop the rollout engine."""
+        """Stop the rollout engine and the reward workers."""
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        self.task.close()
 
 
 def _resolve_on_main(source: str, runtime: Runtime) -> Path:

@@ -291,3 +291,34 @@ def test_torchrun_pipeline_and_context_parallel_match_one_process(
                     "loss/grad_norm", "loss/pg_clipfrac", "perf/num_samples"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert abs(parallel[1]["rollout_corr/kl"]) < 1e-4, "after the refit the engine and the trainer agree"
+
+
+def test_dapo_in_the_step_filters_penalises_and_skips(tmp_path: Path) -> None:
+    """DAPO through `nrc train`: on the length task groups have reward variance, the overlong filter and
+    penalty act and the update runs; on arithmetic the random tiny model rarely earns a reward, so a step
+    whose groups (first batch and refill) all have zero variance skips its update without a NaN."""
+    learn = tmp_path / "learn"
+    _ok(nrc([*FAST, "run.num_steps=2", "tracking.enabled=false", "checkpoint.every_n_steps=0",
+             "grpo.dynamic_sampling=true", "grpo.overlong_filter=true", "grpo.overlong_penalty=true",
+             "grpo.overlong_buffer_len=8", f"run.output_dir={learn}"], tmp_path))
+    for m in read_metrics(learn):
+        assert m["optim/num_updates"] == 1.0 and m["grpo/update_skipped"] == 0.0
+        assert 0.0 <= m["grpo/filtered_group_fraction"] < 1.0
+        assert m["grpo/overlong_penalty_mean"] <= 0.0
+        assert m["grpo/overlong_filtered_fraction"] == pytest.approx(m["response/truncated_fraction"])
+        assert all(v == v for v in m.values()), "a NaN metric"  # NaN != NaN
+
+    skip = tmp_path / "skip"
+    proc = nrc([*FAST, "task=arithmetic", "run.num_steps=2", "tracking.enabled=false", "checkpoint.every_n_steps=0",
+                "grpo.dynamic_sampling=true", "grpo.max_refill_batches=1", f"run.output_dir={skip}"], tmp_path)
+    _ok(proc)
+    assert "the update is skipped" in proc.stderr
+    steps = read_metrics(skip)
+    assert any(m["grpo/update_skipped"] == 1.0 for m in steps)
+    for m in steps:
+        if m["grpo/update_skipped"] == 1.0:  # both batches zero-variance: no optimizer step, no loss
+            assert m["grpo/refill_batches"] == 1.0 and m["grpo/filtered_group_fraction"] == 1.0
+            assert m["optim/num_updates"] == 0.0 and "loss/policy" not in m
+        else:
+            assert m["optim/num_updates"] == 1.0 and m["grpo/filtered_group_fraction"] < 1.0
+        assert all(v == v for v in m.values()), "a NaN metric"
