@@ -34,7 +34,7 @@ def test_updates_per_step_must_be_positive(key: str) -> None:
 def test_mini_batches_must_split_into_whole_microbatches_per_rank() -> None:
     # 4 prompts x 4 samples = 16 rollouts; micro 4 x DP 1 x 2 mini-batches = 8 divides, 8 x 2 = 16 divides too
     TrainConfig(policy=PolicyConfig(micro_batch_size=4), grpo=GRPOConfig(num_mini_batches=2))
-    with pytest.raises(ConfigError, match="grpo.num_mini_batches"):
+    with pytest.raises(ConfigError, match=r"grpo\.num_mini_batches"):
         TrainConfig(policy=PolicyConfig(micro_batch_size=4), grpo=GRPOConfig(num_mini_batches=3))
 
 
