@@ -211,6 +211,7 @@ class GrpoTrainer:
             self.engine = VllmRolloutEngine(engine_options(cfg, str(self.hf_dir)))
             self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         self.step_index = 0
+        self._timings: dict[str, float] = {}  # seconds per phase of the current step (`_timed`)
 
     # ---- properties ------------------------------------------------------------------------------
 
