@@ -437,12 +437,14 @@ class TrainConfig:
             raise ConfigError(f"{exc} ({source}); choose a world size that is a multiple of it") from None
         rollouts = self.task.prompts_per_step * self.rollout.num_samples_per_prompt
         per_step = self.policy.micro_batch_size * dp * self.grpo.num_mini_batches
+        mini = self.grpo.num_mini_batches
+        mini_label, mini_value = (" x grpo.num_mini_batches", f" x {mini}") if mini > 1 else ("", "")
         if rollouts % per_step:
             raise ConfigError(
                 f"task.prompts_per_step x rollout.num_samples_per_prompt = {self.task.prompts_per_step} x "
                 f"{self.rollout.num_samples_per_prompt} = {rollouts} rollouts per step must be divisible by "
-                f"policy.micro_batch_size x data-parallel size x grpo.num_mini_batches = "
-                f"{self.policy.micro_batch_size} x {dp} x {self.grpo.num_mini_batches} = {per_step}"
+                f"policy.micro_batch_size x data-parallel size{mini_label} = "
+                f"{self.policy.micro_batch_size} x {dp}{mini_value} = {per_step}"
             )
 
     @property

@@ -61,6 +61,7 @@ from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_sta
 from nemo_rollout_correction.distributed.runtime import Runtime, barrier
 from nemo_rollout_correction.losses.rollout_corrected_pg import RolloutCorrectedPolicyLoss
 from nemo_rollout_correction.losses.step_plan import (
+    DenominatorStrategy,
     StepPlan,
     StepResult,
     StepStats,
@@ -211,7 +212,6 @@ class GrpoTrainer:
             lr_decay_style=cfg.policy.lr_decay_style,
             total_updates=cfg.total_optimizer_updates,
         ))
-        self.strategy = denominator_strategy(self.rc_cfg, kl_penalty_on=self.reference is not None)
         self.log(
             f"[nrc train] Megatron policy ({self.policy.arch.architecture}, {sum(p.numel() for p in self.params):,} "
             f"parameters on this rank, TP={runtime.tensor_parallel_size}, PP={runtime.pipeline_parallel_size}, "
@@ -225,8 +225,14 @@ class GrpoTrainer:
             self.engine = VllmRolloutEngine(engine_options(cfg, str(self.hf_dir)))
             self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         self.step_index = 0
+        self._timings: dict[str, float] = {}  # seconds per phase of the current step (`_timed`)
 
     # ---- properties ------------------------------------------------------------------------------
+
+    @property
+    def strategy(self) -> DenominatorStrategy:
+        """Where each update's loss denominator comes from (`losses.step_plan.denominator_strategy`)."""
+        return denominator_strategy(self.rc_cfg, kl_penalty_on=self.reference is not None)
 
     def prompt_token_ids(self, record: PromptRecord) -> list[int]:
         """Token ids of a prompt (chat template when configured and available)."""

@@ -46,13 +46,13 @@ def trainer(megatron_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def _snapshot(trainer: Any) -> dict[str, Any]:
     return {"model": copy.deepcopy(trainer.policy.model.state_dict()),
-            "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(trainer.optim.state_dict()),
             "sampler": trainer.sampler.state_dict(), "step": trainer.step_index}
 
 
 def _restore(trainer: Any, snap: dict[str, Any]) -> None:
     trainer.policy.model.load_state_dict(snap["model"])
-    trainer.optimizer.load_state_dict(snap["optimizer"])
+    trainer.optim.load_state_dict(snap["optimizer"])
     trainer.sampler.load_state_dict(snap["sampler"])
     trainer.step_index = snap["step"]
     trainer.refit()
