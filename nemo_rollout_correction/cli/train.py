@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from nemo_rollout_correction.cli.preflight import add_config_dir_argument, check_media_packages
 from nemo_rollout_correction.config import ConfigError, load_config
 from nemo_rollout_correction.config.schema import TrainConfig
 
@@ -38,12 +39,17 @@ def _resume_run_id(cfg: TrainConfig) -> str | None:
     return str(run_id) if run_id else None
 
 
-def run_train(overrides: Sequence[str]) -> int:
-    """Run the GRPO job with Hydra-style `overrides`; returns the exit code."""
+def run_train(overrides: Sequence[str], config_dir: str | None = None) -> int:
+    """Run the GRPO job with Hydra-style `overrides` (and a user config directory searched before conf/);
+    returns the exit code."""
     try:
-        cfg = load_config(list(overrides))
+        cfg = load_config(list(overrides), config_dir)
     except ConfigError as exc:
         print(f"nrc train: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    problem = check_media_packages("nrc train")
+    if problem:
+        print(problem, file=sys.stderr)
         return EXIT_CONFIG
 
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
@@ -103,7 +109,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                         "e.g. `nrc train run.num_steps=4 rollout_correction=decoupled_geo_rs`. "
                                         "`nrc config show` prints the resolved configuration.")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    parser.set_defaults(func=lambda args: run_train(args.overrides))
+    add_config_dir_argument(parser)
+    parser.set_defaults(func=lambda args: run_train(args.overrides, args.config_dir))
 
 
 __all__ = ["add_parser", "run_train"]
