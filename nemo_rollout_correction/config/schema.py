@@ -95,7 +95,7 @@ class RunConfig:
     resume: bool = _f(False, "Resume from the newest checkpoint in checkpoint.dir if there is one.")
     num_steps: int = _f(24, "Number of GRPO optimizer steps.")
     log_every: int = _f(1, "Log metrics every N steps.")
-    progress: bool = _f(True, "Show a progress line per step on stdout.")
+    progress: bool = _f(True, "Show the progress bar with ETA on the terminal (a line per step in a log file).")
 
     def __post_init__(self) -> None:
         if not self.name.strip():
