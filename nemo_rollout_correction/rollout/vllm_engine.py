@@ -9,11 +9,10 @@
 - `refit(named_tensors)` pushes new policy weights (Hugging Face names, full tensors) into the running
   engine through the worker extension (`collective_rpc` + `reload_weights`) and resets the prefix cache.
 
-Colocated ("Aligner-style") design: the engine lives in the training job. On GPU, under torchrun, pass
-`distributed_executor_backend="external_launcher"` so every training rank hosts its engine shard, and
-`enable_sleep_mode=True` to release the KV cache and weights while the trainer steps. On CPU the trainer's
-rank 0 hosts a single engine (vLLM spawns its engine-core process) and broadcasts the rollouts. What was
-verified where: docs/rollout.md.
+Colocated ("Aligner-style") design: the engine lives in the training job; the trainer's rank 0 hosts a
+single engine (vLLM spawns its engine-core process) and broadcasts the rollouts. `EngineOptions` can pass
+`distributed_executor_backend` and `enable_sleep_mode` through to vLLM, but the trainer sets neither (engine
+shards per rank and sleep mode are not implemented). What was verified where: docs/rollout.md.
 """
 
 from __future__ import annotations
