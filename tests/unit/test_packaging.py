@@ -80,3 +80,16 @@ def test_broken_torchvision_gives_the_one_line_fix(tmp_path: Path) -> None:
     assert "torchvision installed but cannot be imported" in proc.stderr
     assert "pip uninstall -y torchvision torchaudio torchcodec" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_config_dir_option_is_accepted(tmp_path: Path, capsys: object) -> None:
+    # docs/configuration.md documents `--config-dir DIR`; nrc train/audit/config show accept it.
+    from nemo_rollout_correction.cli import build_parser, main
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text("source: /data/my_checkpoint\n")
+    assert main(["config", "show", "--config-dir", str(tmp_path), "model=mine"]) == 0
+    assert "source: /data/my_checkpoint" in capsys.readouterr().out  # type: ignore[attr-defined]
+    for command in (["train"], ["audit"]):
+        args = build_parser().parse_args([*command, "--config-dir", str(tmp_path), "model=mine"])
+        assert args.config_dir == str(tmp_path)
