@@ -21,6 +21,8 @@ from typing import Any, Literal
 from nemo_rollout_correction.core.aggregation import LossAggMode
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
+from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
+from nemo_rollout_correction.rollout.vllm_engine import RolloutDtype
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -39,12 +41,12 @@ __all__ = [
 ]
 
 PolicyDtype = Literal["float32", "bfloat16"]
-RolloutDtype = Literal["float32", "bfloat16", "float16"]
 TaskName = Literal["arithmetic", "length_target", "dataset"]
 LauncherName = Literal["local", "slurm"]
 
-BUILTIN_MODELS: tuple[str, ...] = ("smollm2-135m", "tiny-llama")
-"""Model names `model.source` accepts besides a path to a Hugging Face checkpoint directory."""
+BUILTIN_MODELS: tuple[str, ...] = BUILTIN_SOURCES
+"""Model names `model.source` accepts besides a path to a Hugging Face checkpoint directory (defined once,
+by the model sources)."""
 
 # Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -125,11 +127,6 @@ class ModelConfig:
             hint = f"did you mean {close[0]!r}? " if close else ""
             _fail("model.source", self.source, f"{hint}use a builtin model {list(BUILTIN_MODELS)} or a path to "
                   "a Hugging Face checkpoint directory (containing '/')")
-
-    @property
-    def is_builtin(self) -> bool:
-        """True when `source` names a builtin model rather than a checkpoint path."""
-        return self.source in BUILTIN_MODELS
 
 
 @dataclass(frozen=True)

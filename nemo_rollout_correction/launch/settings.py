@@ -25,10 +25,11 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, get_args
 
-LauncherName = Literal["local", "slurm"]
-LAUNCHER_NAMES: tuple[str, ...] = ("local", "slurm")
+from nemo_rollout_correction.config.schema import LauncherName
+
+LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)
 _TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
 PREFIX = "launcher."
 

@@ -23,14 +23,16 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from nemo_rollout_correction.rollout.worker_extension import WORKER_EXTENSION
 
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+RolloutDtype = Literal["float32", "bfloat16", "float16"]
+"""The vLLM dtypes the engine accepts (`rollout.dtype` in the config is typed with it)."""
+ROLLOUT_DTYPES: tuple[str, ...] = get_args(RolloutDtype)
 
 
 class RolloutEngineError(RuntimeError):
@@ -276,11 +278,6 @@ class VllmRolloutEngine:
         self.refit_seconds.append(seconds)
         return seconds
 
-    def weight_checksums(self, names: list[str]) -> dict[str, float]:
-        """float64 sums of vLLM's own parameters by vLLM name (from the first worker); for tests."""
-        result: list[dict[str, float]] = self.llm.collective_rpc("nrc_weight_checksum", args=(names,))
-        return result[0]
-
     def sleep(self) -> None:
         """Release KV cache and weights (GPU, `enable_sleep_mode=True`); a no-op otherwise."""
         if self.options.enable_sleep_mode:
@@ -307,6 +304,7 @@ __all__ = [
     "ROLLOUT_DTYPES",
     "EngineOptions",
     "RolloutBatch",
+    "RolloutDtype",
     "RolloutEngineError",
     "RolloutSample",
     "SamplingOptions",
