@@ -14,8 +14,12 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
 echo "== wheel smoke: build =="
-# --no-build-isolation: the build backend (setuptools>=77) comes from the calling environment, no index needed.
-"$py" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$repo"
+# From a clean copy of the source (no build/ or egg-info of an earlier build can leak stale modules into the
+# wheel). --no-build-isolation: the build backend (setuptools>=77) comes from the calling environment.
+mkdir -p "$work/src"
+tar -C "$repo" --exclude=./.git --exclude=./.venv --exclude='./.venv-*' --exclude=./build --exclude=./dist \
+  --exclude='*.egg-info' --exclude=./runs --exclude=./site --exclude='__pycache__' -cf - . | tar -C "$work/src" -xf -
+"$py" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$work/src"
 wheel="$(ls "$work"/dist/nemo_rollout_correction-*.whl)"
 echo "built $(basename "$wheel")"
 
