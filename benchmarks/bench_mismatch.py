@@ -185,6 +185,7 @@ def table(rows: list[dict[str, Any]], window: int) -> str:
 def plot(results: dict[Cell, list[dict[str, Any]]], path: Path) -> None:
     """Seed-averaged curves: one row per engine dtype, one column per metric, one line per correction."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     dtypes = [d for d in DTYPES if any(c.dtype == d for c in results)]
     corrections = sorted({c.correction for c in results})
@@ -193,15 +194,18 @@ def plot(results: dict[Cell, list[dict[str, Any]]], path: Path) -> None:
     for row, dtype in enumerate(dtypes):
         for col, (title, key) in enumerate(METRICS.items()):
             ax = axes[row][col]
-            for correction in corrections:
+            for i, correction in enumerate(corrections):
                 runs = [s for c, s in results.items() if c.dtype == dtype and c.correction == correction]
                 if not runs:
                     continue
                 n = min(len(s) for s in runs)
                 mean = [statistics.fmean(float(s[i].get(key, math.nan)) for s in runs) for i in range(n)]
-                ax.plot(range(1, n + 1), mean, marker="o", markersize=3, label=correction)
+                # Distinct markers and dashes: identical curves (e.g. correction that never triggers) stay visible.
+                ax.plot(range(1, n + 1), mean, marker="osd^v"[i % 5], markersize=5 - i, linewidth=1.5,
+                        linestyle=("-", "--", ":", "-.")[i % 4], label=correction)
             ax.set_title(f"{title}\nengine {dtype}", fontsize=9)
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
             if col == 0:
                 ax.legend(fontsize=8)
