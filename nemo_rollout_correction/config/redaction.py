@@ -51,7 +51,7 @@ KEY_QUALIFIERS: frozenset[str] = frozenset({
 
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _URI_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
-_MIN_SCRUB_LENGTH = 4  # shorter values ("1", "yes") would blank unrelated text; they are not credentials
+_MIN_SCRUB_LENGTH = 6  # shorter values ("1", "true") would blank unrelated text; they are not credentials
 
 
 def _words(name: str) -> list[str]:
@@ -86,7 +86,7 @@ def redact_tree(data: Any, name: str = "") -> Any:
 
 def secret_values(config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> set[str]:
     """Every value that must not appear in text: values of secret-named environment variables (os.environ by
-    default) and config keys, and URI passwords inside either. Values shorter than 4 characters are skipped."""
+    default) and config keys, and URI passwords inside either. Values shorter than 6 characters are skipped."""
     found: set[str] = set()
     env = os.environ if environ is None else environ
 

@@ -72,6 +72,8 @@ def test_redact_tree_and_text() -> None:
     values = secret_values(tree, environ=FAKE_ENV)
     assert URI_PASSWORD in values and "abcd1234" in values and FAKE_ENV["HF_TOKEN"] in values
     assert redact_text(f"token={FAKE_ENV['HF_TOKEN']} ok", values) == f"token={REDACTED} ok"
+    # Short values ("true", "1") are not scrubbed from text: they would blank unrelated words.
+    assert secret_values({}, environ={"SOME_TOKEN": "true", "DB_PASSWORD": "hunter2"}) == {"hunter2"}
 
 
 def _all_bytes(root: Path) -> list[tuple[Path, bytes]]:
