@@ -48,8 +48,16 @@ BUILTIN_MODELS: tuple[str, ...] = BUILTIN_SOURCES
 """Model names `model.source` accepts besides a path to a Hugging Face checkpoint directory (defined once,
 by the model sources)."""
 
-# Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+"""Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (the one rule for `launcher.time`)."""
+
+
+def is_container_mount(mount: str) -> bool:
+    """`host:container` or `host:container:flags` with both paths non-empty (pyxis --container-mounts); the one
+    rule for `launcher.container_mounts` entries."""
+    parts = mount.split(":")
+    return 2 <= len(parts) <= 3 and all(parts[:2])
+
 
 
 class ConfigError(ValueError):
@@ -293,10 +301,10 @@ class LauncherConfig:
         _at_least("launcher.nproc_per_node", self.nproc_per_node, 1)
         if self.name == "local" and self.nodes != 1:
             _fail("launcher.nodes", self.nodes, "the local launcher runs on one node; use launcher=slurm")
-        if not _SLURM_TIME.match(self.time):
+        if not SLURM_TIME.match(self.time):
             _fail("launcher.time", self.time, "use Slurm's format [D-]HH:MM:SS, e.g. 01:30:00 or 2-00:00:00")
         for i, mount in enumerate(self.container_mounts):
-            if ":" not in mount:
+            if not is_container_mount(mount):
                 _fail(f"launcher.container_mounts[{i}]", mount, "use 'host_path:container_path[:flags]'")
 
     @property
