@@ -184,6 +184,7 @@ class RunSummary:
     reward_first: float
     reward_last: float
     kl_mean: float
+    k3_kl_mean: float
     kept_mean: float
     output_dir: str
     checkpoint_dir: str
@@ -201,14 +202,17 @@ class RunSummary:
         first = float(history[0].get("reward/mean", math.nan)) if history else math.nan
         last = float(history[-1].get("reward/mean", math.nan)) if history else math.nan
         return cls(steps=len(history), reward_first=first, reward_last=last, kl_mean=mean("rollout_corr/kl"),
-                   kept_mean=mean("rollout_corr/kept_token_fraction"), **where)
+                   k3_kl_mean=mean("rollout_corr/k3_kl"), kept_mean=mean("rollout_corr/kept_token_fraction"),
+                   **where)
 
     def lines(self) -> list[str]:
         """The summary as printed."""
         out = [
             f"[nrc train] summary ({self.steps} steps run)",
             f"  reward          {self.reward_first:.3f} -> {self.reward_last:.3f}",
-            f"  mismatch        mean kl {self.kl_mean:.2e}, mean kept fraction {self.kept_mean:.3f}",
+            # kl (k1) is signed and can average out; k3 is non-negative, so it shows the size of the mismatch.
+            f"  mismatch        mean kl {self.kl_mean:.2e} (k3 {self.k3_kl_mean:.2e}), "
+            f"mean kept fraction {self.kept_mean:.3f}",
             f"  run directory   {self.output_dir}",
             f"  checkpoints     {self.checkpoint_dir}",
         ]

@@ -47,10 +47,12 @@ def test_step_line_has_the_headline_and_eta() -> None:
 
 
 def test_summary_names_reward_trend_mismatch_and_where_things_are() -> None:
-    history = [{"reward/mean": -0.9, "rollout_corr/kl": 1e-3, "rollout_corr/kept_token_fraction": 1.0},
-               {"reward/mean": -0.4, "rollout_corr/kl": 3e-3, "rollout_corr/kept_token_fraction": 0.5}]
+    history = [{"reward/mean": -0.9, "rollout_corr/kl": 1e-3, "rollout_corr/k3_kl": 2e-3,
+                "rollout_corr/kept_token_fraction": 1.0},
+               {"reward/mean": -0.4, "rollout_corr/kl": 3e-3, "rollout_corr/k3_kl": 4e-3,
+                "rollout_corr/kept_token_fraction": 0.5}]
     lines = "\n".join(RunSummary.from_history(
         history, output_dir="runs/x", checkpoint_dir="runs/x/checkpoints", log_path="runs/x/nrc.log",
         mlflow_run_id="abc", tracking_uri="sqlite:///runs/x/mlflow.db").lines())
-    assert "-0.900 -> -0.400" in lines and "mean kl 2.00e-03" in lines and "kept fraction 0.750" in lines
+    assert "-0.900 -> -0.400" in lines and "mean kl 2.00e-03 (k3 3.00e-03)" in lines and "kept fraction 0.750" in lines
     assert "mlflow ui --backend-store-uri sqlite:///runs/x/mlflow.db" in lines and "runs/x/checkpoints" in lines
