@@ -19,7 +19,7 @@ echo "== ruff =="
 ruff check .
 echo "== mypy (strict on core) =="
 mypy nemo_rollout_correction
-echo "== import-linter (layering in DESIGN.md) =="
+echo "== import-linter (layering in docs/design.md) =="
 lint-imports
 echo "== wheel smoke (fresh venv, non-editable install; about 1 minute) =="
 PYTHON=python bash ci/wheel_smoke.sh

@@ -1,4 +1,4 @@
-"""The distributed layer: the only package that uses torch.distributed (DESIGN.md, "Layers").
+"""The distributed layer: the only package that uses torch.distributed (docs/design.md, "Layers").
 
 - `groups`: the TP / CP / DP / DP x CP process groups (from Megatron-Core or built directly);
 - `context_parallel`: Megatron's CP token layouts (also packed THD) and the per-sequence reduction

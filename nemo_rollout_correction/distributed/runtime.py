@@ -10,7 +10,7 @@
   TP-replicated ones once in total (one all-reduce over TP), then scaling.
 - `broadcast_object`: rollouts and rewards from the rank that hosts the rollout engine.
 
-torch.distributed stays in this package (DESIGN.md, "Layers"); gloo on CPU, NCCL on GPU.
+torch.distributed stays in this package (docs/design.md, "Layers"); gloo on CPU, NCCL on GPU.
 """
 
 from __future__ import annotations

