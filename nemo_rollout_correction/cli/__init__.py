@@ -23,6 +23,7 @@ import torch
 from nemo_rollout_correction import RolloutCorrectionConfig, __version__, compute_rollout_correction
 from nemo_rollout_correction.cli import audit as audit_cli
 from nemo_rollout_correction.cli import train as train_cli
+from nemo_rollout_correction.cli.preflight import add_config_dir_argument
 
 # The columns of the demo table: (header, metric key without the rollout_corr/ prefix).
 _COLUMNS: tuple[tuple[str, str], ...] = (
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved `nrc train` configuration as YAML")
     show.add_argument("overrides", nargs="*", help="key=value overrides, as for `nrc train`")
+    add_config_dir_argument(show)
     show.set_defaults(func=run_config_show)
 
     train_cli.add_parser(sub)
@@ -160,7 +162,7 @@ def run_config_show(args: argparse.Namespace) -> int:
     from nemo_rollout_correction.config import ConfigError, config_show
 
     try:
-        print(config_show(list(args.overrides)), end="")
+        print(config_show(list(args.overrides), args.config_dir), end="")
     except ConfigError as exc:
         print(f"nrc config show: configuration error: {exc}", file=sys.stderr)
         return 2

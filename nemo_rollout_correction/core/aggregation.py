@@ -1,6 +1,6 @@
 """Reduce a per-token loss to the scalar that is back-propagated.
 
-The reduction contract (DESIGN.md): ``core`` never divides by a count it did not receive. Every mode
+The reduction contract (docs/design.md): ``core`` never divides by a count it did not receive. Every mode
 that divides takes its denominator as an argument: the number of kept tokens, or of sequences with
 at least one kept token, counted over *all* microbatches of the optimizer step across dp x cp. With
 that global denominator, summing the microbatch losses gives the full-batch loss and gradient, so

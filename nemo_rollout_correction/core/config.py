@@ -50,7 +50,7 @@ class RejectionCriterion:
     """One parsed rejection-sampling criterion (for example `seq_mean_k1` with `[0.999, 1.001]`).
 
     For k1 criteria `[lower, upper]` bound the IS ratio rho itself (token ratio, sequence
-    product, or geometric mean), as DESIGN.md decision 1 demands. For k2/k3 criteria `upper`
+    product, or geometric mean), as docs/design.md decision 1 demands. For k2/k3 criteria `upper`
     bounds the divergence statistic and `lower` is None.
     """
 

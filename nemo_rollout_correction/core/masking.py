@@ -58,7 +58,7 @@ class TokenChunk:
     Masking uses float 0/1 multiplications, which are several times cheaper than boolean
     `torch.where` on CPU. That is only safe when every value is finite (NaN * 0 = NaN), so a
     chunk whose log-ratios do not all sum to a finite number takes the exact `torch.where`
-    path instead (DESIGN.md decision 4).
+    path instead (docs/design.md decision 4).
     """
 
     def __init__(self, old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor) -> None:

@@ -1,6 +1,6 @@
 """The rollout-corrected policy objective: correction mode + policy loss + aggregation.
 
-Modes (DESIGN.md three-policy framework):
+Modes (docs/design.md three-policy framework):
 - decoupled (`bypass_mode=False`): IS weights between pi_old and pi_rollout correct the
   rollout mismatch; the policy loss (PPO clip / GSPO / REINFORCE) runs between pi_theta and
   pi_old. Needs `old_logprobs`.
@@ -13,7 +13,7 @@ Modes (DESIGN.md three-policy framework):
   uncorrected one (only non-finite tokens are dropped).
 
 The loss denominator is passed in (the global count over all microbatches and dp x cp ranks,
-DESIGN.md decision 2); None uses this batch's own count.
+docs/design.md decision 2); None uses this batch's own count.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each loss returns a ``[batch, seq]`` per-token loss (reduce it with
 :func:`nemo_rollout_correction.core.aggregation.aggregate_loss`) and unreduced partial sums for the
 metrics, so a distributed caller can all-reduce them with the rest of the step's partials.
 
-Conventions (DESIGN.md): ``logprobs`` is pi_theta and carries the gradient; ``old_logprobs`` is
+Conventions (docs/design.md): ``logprobs`` is pi_theta and carries the gradient; ``old_logprobs`` is
 pi_old; ``is_weights`` are the applied rollout-correction weights and are always detached (decision
 6), while the PPO ratio keeps its gradient. Masked positions give exactly 0 loss and 0 gradient
 even if any input there is NaN/inf: inputs are replaced with ``torch.where`` *before* any

@@ -2,7 +2,7 @@
 
 Statistics: k1 = log rho (the log of the ratio the bounds apply to), k2 = (log rho)^2 / 2,
 k3 = rho - 1 - log rho. A k1 criterion keeps `log lower <= stat <= log upper`, i.e. it bounds
-rho itself (token ratio, sequence product or geometric mean; DESIGN.md decision 1). verl
+rho itself (token ratio, sequence product or geometric mean; docs/design.md decision 1). verl
 computes k1 as -log rho against log-bounds, which swaps asymmetric bounds; its docs describe
 the statistic as E[log r], which is what we report. k2/k3 criteria keep `stat <= upper`.
 """

@@ -1,6 +1,6 @@
 """Mergeable partial statistics and the log-space histogram used for quantiles.
 
-The reduction contract (DESIGN.md): core never divides by a count it did not receive. It
+The reduction contract (docs/design.md): core never divides by a count it did not receive. It
 returns `Partials` (sums, maxima, minima) that any caller can combine across chunks,
 microbatches or ranks with SUM / MAX / MIN, and only `finalize` turns them into ratios.
 Quantiles use a fixed histogram grid so they merge exactly by summing counts and work at any

@@ -1,7 +1,7 @@
 """IS weights from log-ratios: truncation (TIS) and masking (MIS/IcePop), in log space.
 
 `[lower, upper]` always bound the IS ratio rho at the configured level: the token ratio, the
-sequence product, or the geometric mean (DESIGN.md decision 1).
+sequence product, or the geometric mean (docs/design.md decision 1).
 """
 
 from __future__ import annotations

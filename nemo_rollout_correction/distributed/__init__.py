@@ -1,11 +1,18 @@
-"""The distributed layer: the only package that uses torch.distributed (DESIGN.md, "Layers").
+"""The distributed layer: the only package that uses torch.distributed (docs/design.md, "Layers").
 
 - `groups`: the TP / CP / DP / DP x CP process groups (from Megatron-Core or built directly);
 - `context_parallel`: Megatron's CP token layouts (also packed THD) and the per-sequence reduction
   over CP;
 - `reduce`: fused all-reduce of metric partials over dp x cp;
 - `correction`: rollout correction of a microbatch on a CP shard, and the step reduction
-  (loss denominators, global IS mean, non-finite checks, metrics).
+  (loss denominators, global IS mean, non-finite checks, metrics);
+- `vocab_parallel`: logprobs of the sampled tokens from TP-sharded logits (temperature / top-k / top-p
+  replayed across shards), with autograd;
+- `pipeline`: step-level exchanges between pipeline stages;
+- `tensor_gather`: TP parameter shards gathered into full tensors (weight refit);
+- `runtime`: process-group set-up (torchrun or one process) and the few step-level collectives the
+  trainer needs;
+- `cpu_compat`: Megatron-Core's CPU-capable code paths on machines without CUDA.
 
 See docs/reduction_contract.md for what is reduced over which group and what it costs.
 """

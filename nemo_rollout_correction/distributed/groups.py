@@ -11,7 +11,7 @@ the rank's coordinates in them. Three ways to get one:
   used by the gloo tests and by callers without Megatron;
 - the constructor, for groups built elsewhere; `ParallelGroups.single()` for one process.
 
-Which group each quantity is reduced over (DESIGN.md, "The reduction contract"): per-sequence
+Which group each quantity is reduced over (docs/design.md, "The reduction contract"): per-sequence
 partials over `cp`; metric partials and loss denominators over `dp_cp`; nothing over `tp` (values
 are replicated there after the vocab-parallel logprob); over `pp` only the trainer's step-level
 exchanges (gradient norm, the last stage's metrics, the refit weights). No function of this package reduces over

@@ -8,7 +8,7 @@
 
 Gradients are not reduced here: Megatron's DDP and `finalize_model_grads` do it (`models.optimizer`).
 
-torch.distributed stays in this package (DESIGN.md, "Layers"); gloo on CPU, NCCL on GPU.
+torch.distributed stays in this package (docs/design.md, "Layers"); gloo on CPU, NCCL on GPU.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ every CP rank's keys and values) and `all_gather_list` (the trainer's review of 
 Megatron-Core splits a TP-sharded parameter into equal contiguous chunks along its partition
 dimension, chunk `r` on TP rank `r`. Refitting the rollout engine or exporting a Hugging Face
 checkpoint needs the full tensor: one all-gather per parameter over the TP group. Kept here because
-torch.distributed belongs to this layer only (DESIGN.md, "Layers").
+torch.distributed belongs to this layer only (docs/design.md, "Layers").
 """
 
 from __future__ import annotations

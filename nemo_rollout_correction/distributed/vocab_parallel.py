@@ -3,7 +3,7 @@
 Megatron-Core's output layer is column-parallel: each TP rank holds the logits of a contiguous
 slice of the vocabulary, `[..., vocab / tp]`. `vocab_parallel_logprobs` returns, on every TP rank,
 the log-probability of each sampled token under the full-vocabulary softmax (fp32, replicated
-across TP: DESIGN.md's reduction contract then forbids reducing anything over TP again), with
+across TP: docs/design.md's reduction contract then forbids reducing anything over TP again), with
 optional entropy, and optionally replays vLLM's sampler (temperature, top-k, top-p) so the
 trainer's logprobs live on the same support as vLLM's `processed_logprobs`.
 

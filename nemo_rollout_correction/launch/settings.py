@@ -22,14 +22,13 @@ Fields (plan/CONFIG_SPEC.md, issue 6):
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, get_args
 
-LauncherName = Literal["local", "slurm"]
-LAUNCHER_NAMES: tuple[str, ...] = ("local", "slurm")
-_TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
+from nemo_rollout_correction.config.schema import SLURM_TIME, LauncherName, is_container_mount
+
+LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)
 PREFIX = "launcher."
 
 
@@ -56,12 +55,12 @@ class LauncherSettings:
         if self.name == "local" and self.nodes != 1:
             raise ValueError(f"launcher.nodes={self.nodes} needs launcher.name=slurm; the local executor runs on "
                              "one node (use launcher.nproc_per_node for more processes)")
-        if not _TIME.match(self.time):
-            raise ValueError(f"launcher.time={self.time!r} must look like HH:MM:SS or D-HH:MM:SS")
+        if not SLURM_TIME.match(self.time):  # the same rules as nrc train's config (config/schema.py)
+            raise ValueError(f"launcher.time={self.time!r} must look like HH:MM:SS or D-HH:MM:SS "
+                             "(or another Slurm --time format: M, M:S, D-H, D-H:M)")
         object.__setattr__(self, "container_mounts", tuple(self.container_mounts))
         for mount in self.container_mounts:
-            parts = mount.split(":")
-            if not 2 <= len(parts) <= 3 or not all(parts[:2]):
+            if not is_container_mount(mount):
                 raise ValueError(f"launcher.container_mounts entry {mount!r} must be src:dst or src:dst:flags")
 
     @property

@@ -1,6 +1,6 @@
 """A multi-process smoke job for the launchers: real collectives and a real rollout-correction step.
 
-Run under torchrun (directly, through `launch/slurm/grpo.sbatch`, or through NeMo-Run's executors):
+Run under torchrun (directly, through `containers/slurm/grpo.sbatch`, or through NeMo-Run's executors):
 
     torchrun --nproc-per-node 2 -m nemo_rollout_correction.launch.smoke --output-dir out/ --preset token_tis
 

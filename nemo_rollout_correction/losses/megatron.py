@@ -16,7 +16,7 @@ So the step's gradient is `sum over microbatches and dp x cp of d loss_sum / sum
 Returning the un-normalised numerator of `RolloutCorrectedPolicyLoss` as `loss` and this
 microbatch's share of the denominator (kept tokens after rejection, or kept sequences for the
 sequence modes, each counted once over CP) as `num_tokens` makes that exactly the full-batch
-rollout-corrected loss, with the denominator counted after rejection (DESIGN.md decision 2) by
+rollout-corrected loss, with the denominator counted after rejection (docs/design.md decision 2) by
 Megatron itself, after the step: no pre-pass is needed for the count, in bypass mode either.
 
 A pre-pass is still needed for batch-normalised IS (global mean) and is the cheaper place for the

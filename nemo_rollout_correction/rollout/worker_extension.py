@@ -125,10 +125,5 @@ class RefitExtension:
                 count += 1
         return count
 
-    def nrc_weight_checksum(self, names: list[str]) -> dict[str, float]:
-        """Sum of each named vLLM parameter in float64 (tests use it to see a refit landed)."""
-        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
-        return {name: float(params[name].detach().double().sum()) for name in names if name in params}
-
 
 __all__ = ["WORKER_EXTENSION", "RefitExtension"]

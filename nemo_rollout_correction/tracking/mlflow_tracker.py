@@ -26,6 +26,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+from nemo_rollout_correction.config.redaction import redact_tree
+
 from .delivery import Deliverer, bound_http_requests, classify, is_http_uri
 from .errors import TrackingUnavailableError
 from .journal import Journal
@@ -162,7 +164,7 @@ class MlflowTracker:
             if self.resume_run_id:
                 run = self._resume(client, self.resume_run_id)
             else:
-                tags = {**default_tags(), **self.extra_tags}
+                tags = redact_tree({**default_tags(), **self.extra_tags})
                 tags = {sanitize_key(k): truncate_value(v, MAX_TAG_VALUE_LENGTH) for k, v in tags.items()}
                 run = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
         except (TrackingUnavailableError, ValueError):
@@ -272,7 +274,7 @@ class MlflowTracker:
         with a warning (MLflow params are immutable); the new resolved config is still saved as an artifact."""
         if not self.active or not params:
             return
-        flat = flatten_config(params)
+        flat = flatten_config(redact_tree(params))  # credentials never reach MLflow (config/redaction.py)
         changed = {k: (self._existing_params[k], v) for k, v in flat.items() if self._existing_params.get(k, v) != v}
         if changed:
             logger.warning(
@@ -288,7 +290,8 @@ class MlflowTracker:
         """Set run tags (values stringified and truncated to MLflow's 8000 characters)."""
         if not self.active or not tags:
             return
-        clean = {sanitize_key(str(k)): truncate_value(str(v), MAX_TAG_VALUE_LENGTH) for k, v in tags.items()}
+        clean = {sanitize_key(str(k)): truncate_value(str(v), MAX_TAG_VALUE_LENGTH)
+                 for k, v in redact_tree(dict(tags)).items()}
         self._submit({"kind": "tags", "tags": clean})
 
     def log_config(self, resolved: Mapping[str, Any]) -> None:
@@ -300,6 +303,7 @@ class MlflowTracker:
             return
         import yaml
 
+        resolved = redact_tree(resolved)
         self.log_params(resolved)
         name = "resolved.yaml" if not self.resume_run_id else f"resolved.resume-{_iso_now(compact=True)}.yaml"
         path = self.buffer_dir / "config" / name

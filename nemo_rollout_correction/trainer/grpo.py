@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -53,6 +52,7 @@ import torch
 from torch import Tensor
 
 from nemo_rollout_correction.config.loader import to_dict
+from nemo_rollout_correction.config.redaction import redact_tree
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.advantages import grpo_advantages
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
@@ -76,6 +76,8 @@ from nemo_rollout_correction.models.schedule import run_microbatches
 from nemo_rollout_correction.models.sources import resolve_model_source
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
 from nemo_rollout_correction.trainer import checkpoint as ckpt
+from nemo_rollout_correction.trainer import console
+from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter, collect_step_rollouts
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
@@ -270,7 +272,7 @@ class GrpoTrainer:
                     "sampler": self.sampler.state_dict(),
                     "world_size": self.runtime.world_size,
                     "observer": self.observer.checkpoint_state(),
-                    "config": to_dict(self.cfg),
+                    "config": redact_tree(to_dict(self.cfg)),  # no credentials in checkpoint metadata
                 },
             )
             ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
@@ -640,6 +642,9 @@ class GrpoTrainer:
         total = self.cfg.run.num_steps
         last: dict[str, float] = {}
         status = "FAILED"
+        self.step_history: list[dict[str, float]] = []  # this process's steps, for the closing summary
+        self._progress = (StepProgress(total, self.step_index, console.current(), self.cfg.run.log_every)
+                          if self.cfg.run.progress and self.runtime.is_main else None)
         try:
             while self.step_index < total:
                 last = self.step()
@@ -652,23 +657,15 @@ class GrpoTrainer:
             status = "KILLED"
             raise
         finally:
+            if self._progress is not None:
+                self._progress.close()
             self.observer.on_end(status)
         return last
 
     def _print_progress(self, m: dict[str, float]) -> None:
-        if not self.cfg.run.progress or self.step_index % max(self.cfg.run.log_every, 1):
-            return
-        total = self.cfg.run.num_steps
-        done = int(20 * self.step_index / max(total, 1))
-        kl = m.get("rollout_corr/kl", math.nan)
-        kept = m.get("rollout_corr/kept_token_fraction", math.nan)
-        ess = m.get("rollout_corr/rollout_is_eff_sample_size", math.nan)
-        self.log(
-            f"[{'#' * done}{'.' * (20 - done)}] step {self.step_index}/{total}  reward {m['reward/mean']:.3f}  "
-            f"loss {m.get('loss/policy', math.nan):+.4f}  kl {kl:.2e}  kept {kept:.3f}  ess {ess:.3f}  "
-            f"len {m['response/length_mean']:.1f}  gen {m['timing/generation_s']:.1f}s  "
-            f"train {m['timing/train_s']:.1f}s  step {m['timing/step_s']:.1f}s"
-        )
+        self.step_history.append(m)
+        if self._progress is not None:  # trainer/console.py: a tqdm bar with ETA, or a line per step in logs
+            self._progress.update(self.step_index, m)
 
     def close(self) -> None:
         """Stop the rollout engine and the reward workers."""

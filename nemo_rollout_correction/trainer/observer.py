@@ -1,6 +1,6 @@
 """What the trainer reports, and to whom: the `TrainObserver` protocol and the per-step review data.
 
-The trainer does not import the tracking layer (they are independent siblings in DESIGN.md's layering);
+The trainer does not import the tracking layer (they are independent siblings in docs/design.md's layering);
 the CLI plugs an MLflow-backed observer in. Every observer method runs on the logging rank only.
 """
 

@@ -120,7 +120,7 @@ def test_pins_agree_with_pyproject_extras(flavour: str) -> None:
 
 
 def test_gpu_pins_match_vllms_torch() -> None:
-    # vLLM 0.33.0 pins torch==2.14.0 (../shared/FEASIBILITY.md); the image must not ask for another torch.
+    # vLLM 0.33.0 pins torch==2.14.0 (docs/design.md, "Environment"); the image must not ask for another torch.
     pins, _ = _requirements("gpu")
     assert _pinned_version(pins["vllm"]) == "0.33.0"
     assert _pinned_version(pins["torch"]) == "2.14.0"

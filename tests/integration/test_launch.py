@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,24 @@ def test_nemo_run_slurm_executor_dry_run_renders_the_sbatch_script(tmp_path: Pat
                          "launcher.container_image=nvcr.io/acme/nrc:0.1.0 "
                          "'launcher.container_mounts=[/lustre/data:/data]' rollout_correction=token_tis "
                          "run.output_dir=/data/runs/tis task.prompts_per_step=32")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("time", "90"), ("time", "2-00"), ("time", "01:30:00"), ("time", "90min"), ("time", "1h"),
+    ("container_mounts", ("/a:/b",)), ("container_mounts", ("/a:/b:ro",)), ("container_mounts", ("/data",)),
+    ("container_mounts", (":/b",)), ("container_mounts", ("/a:/b:ro:x",)),
+])
+def test_launcher_settings_and_the_train_config_apply_the_same_rules(field: str, value: Any) -> None:
+    # One rule per field (config/schema.py): what nrc train's config accepts, the launcher accepts, and back.
+    from nemo_rollout_correction.config.schema import ConfigError, LauncherConfig
+
+    def accepts(make: Any) -> bool:
+        try:
+            make()
+        except (ValueError, ConfigError):
+            return False
+        return True
+
+    config_value = list(value) if field == "container_mounts" else value
+    assert accepts(lambda: LauncherSettings(name="slurm", **{field: value})) == \
+        accepts(lambda: LauncherConfig(name="slurm", **{field: config_value}))

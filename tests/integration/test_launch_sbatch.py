@@ -1,4 +1,4 @@
-"""launch/slurm/grpo.sbatch: syntax, shellcheck, and its torchrun line run for real on one node.
+"""containers/slurm/grpo.sbatch: syntax, shellcheck, and its torchrun line run for real on one node.
 
 There is no Slurm here. `scontrol` and `srun` are replaced by two small shell stand-ins on PATH:
 `scontrol show hostnames` prints `localhost`, and `srun` records its arguments (so the pyxis flags
@@ -23,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-SBATCH = ROOT / "launch" / "slurm" / "grpo.sbatch"
+SBATCH = ROOT / "containers" / "slurm" / "grpo.sbatch"
 
 _SCONTROL = """#!/usr/bin/env bash
 [ "$1 $2" = "show hostnames" ] || { echo "stand-in scontrol: unsupported: $*" >&2; exit 2; }

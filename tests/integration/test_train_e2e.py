@@ -35,8 +35,11 @@ pytestmark = [pytest.mark.integration]
 
 NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
 # Small and fast: 4 prompts x 4 samples x 16 tokens per step on the tiny random Llama.
+# rollout.dtype=float32: these tests compare runs and layouts to 1e-6 and check the engine and the trainer
+# agree after a refit, which needs the engine at the trainer's precision (the default is bfloat16).
 FAST = [
     "model=tiny_llama",
+    "rollout.dtype=float32",
     "task.prompts_per_step=4",
     "rollout.num_samples_per_prompt=4",
     "rollout.max_new_tokens=16",

@@ -36,7 +36,8 @@ def trainer(megatron_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -> 
     from nemo_rollout_correction.trainer.grpo import GrpoTrainer
 
     out = tmp_path_factory.mktemp("presets")
-    cfg = load_config(["model=tiny_llama", "task.prompts_per_step=4", "rollout.num_samples_per_prompt=4",
+    cfg = load_config(["model=tiny_llama", "rollout.dtype=float32", "task.prompts_per_step=4",
+                       "rollout.num_samples_per_prompt=4",
                        "rollout.max_new_tokens=12", "policy.micro_batch_size=8", "policy.lr=1e-3",
                        "tracking.enabled=false", f"run.output_dir={out}"])
     trainer = GrpoTrainer(cfg, megatron_runtime, None, log=lambda message: None)

@@ -46,13 +46,20 @@ def test_defaults_are_the_schema_defaults_with_output_dir_resolved() -> None:
     assert cfg.model.source == "smollm2-135m" and cfg.task.name == "length_target" and cfg.launcher.name == "local"
 
 
+def test_default_run_has_the_production_mismatch() -> None:
+    # The default run must show the problem the package exists for: a bf16 engine against the fp32 trainer.
+    cfg = load_config([])
+    assert cfg.rollout.dtype == "bfloat16"
+    assert cfg.model.dtype == "float32"  # the trainer
+
+
 def test_overrides_set_typed_values() -> None:
     cfg = load_config([
         "policy.lr=3e-6",
         "policy.grad_clip=2",  # an int for a float key becomes a float
         "rollout.seed=7",
         "run.name=2024",  # a number for a text key is its text
-        "rollout.dtype=bfloat16",
+        "rollout.dtype=float16",
         "tracking.tracking_uri=http://127.0.0.1:5000",
         "launcher.container_mounts=[/data:/data,/ckpt:/ckpt:ro]",
         "task.reward_fn=my_pkg.rewards:exact_match",
@@ -61,7 +68,7 @@ def test_overrides_set_typed_values() -> None:
     assert cfg.policy.grad_clip == 2.0 and isinstance(cfg.policy.grad_clip, float)
     assert cfg.rollout.seed == 7 and cfg.rollout_seed == 7
     assert cfg.run.name == "2024" and cfg.run.output_dir == "runs/2024"
-    assert cfg.rollout.dtype == "bfloat16"
+    assert cfg.rollout.dtype == "float16"
     assert cfg.tracking_uri == "http://127.0.0.1:5000"
     assert cfg.launcher.container_mounts == ["/data:/data", "/ckpt:/ckpt:ro"]
     assert cfg.task.reward_fn == "my_pkg.rewards:exact_match"

@@ -1,0 +1,61 @@
+"""The controlled-experiment harness (benchmarks/bench_mismatch.py) on a 2-step tiny-model grid.
+
+Two real `nrc train` runs (bf16 engine x {disabled, token_tis}, one seed) through the harness: one MLflow
+experiment with one run per cell, the summary PNG, the table and its splice into a markdown page. The full
+grid is a benchmark (docs/experiments.md), not a test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model=tiny_llama", "task.prompts_per_step=4", "rollout.num_samples_per_prompt=4",
+        "rollout.max_new_tokens=16", "policy.micro_batch_size=8", "policy.lr=1e-3"]
+
+
+def test_harness_runs_a_grid_into_one_experiment(tmp_path: Path) -> None:
+    out = tmp_path / "grid"
+    page = tmp_path / "experiments.md"
+    page.write_text("# Experiments\n\n<!-- bench_mismatch:begin -->\nold table\n<!-- bench_mismatch:end -->\n\nafter\n")
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_mismatch.py"), "--out", str(out), "--dtypes", "bfloat16",
+           "--corrections", "disabled,token_tis", "--seeds", "1", "--steps", "2", "--window", "1",
+           "--experiment", "grid-test", "--table", str(page), "--", *TINY]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    rows = json.loads((out / "summary.json").read_text())
+    assert [(r["dtype"], r["correction"], r["seeds"], r["steps"]) for r in rows] == [
+        ("bfloat16", "disabled", 1, 2), ("bfloat16", "token_tis", 1, 2)]
+    for row in rows:
+        assert all(math.isfinite(row[k][0]) for k in ("reward_first", "reward_last", "kl", "grad_norm", "kept"))
+        assert row["kl"][0] != 0.0  # a bf16 engine against the fp32 trainer: a real mismatch
+    assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = page.read_text()
+    assert "old table" not in text and "| bfloat16 | token_tis | 1 x 2 |" in text and text.endswith("after\n")
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("grid-test")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["bfloat16-disabled-s1", "bfloat16-token_tis-s1"]
+    assert {r.data.params["rollout.dtype"] for r in runs} == {"bfloat16"}
+    assert all(r.info.status == "FINISHED" and "reward/mean" in r.data.metrics for r in runs)
+
+    # A second call reuses the finished cells instead of training again.
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert again.returncode == 0 and again.stderr.count("reusing 2 steps") == 2, again.stderr[-2000:]
