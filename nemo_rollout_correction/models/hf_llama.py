@@ -170,6 +170,10 @@ def build_gpt_model(arch: ModelArch, config: Any, *, pre_process: bool = True, p
         parallel_output=parallel_output, share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=round(arch.rope.theta),
     )
+    if torch.cuda.is_available():
+        # As Megatron-LM's get_model: layers built without a device (the local spec's torch norms) start on
+        # the CPU; without this the plain (non-distributed) optimizer gets CPU parameters on a GPU.
+        model.cuda(torch.cuda.current_device())
     set_rope_frequencies(model, arch)
     return model
 
