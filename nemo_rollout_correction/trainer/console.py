@@ -165,12 +165,16 @@ class StepProgress:
 
 
 def format_step(m: Mapping[str, float]) -> str:
-    """The headline of one step: reward, loss, mismatch (kl), kept fraction, ESS, length and timings."""
+    """The headline of one step: reward, loss, mismatch, kept fraction, ESS, length and timings.
+
+    The mismatch is the k3 KL estimate (non-negative per token): the signed k1 `rollout_corr/kl` can print
+    as a negative "kl" and read as no mismatch when it averages out.
+    """
     def get(key: str) -> float:
         return float(m.get(key, math.nan))
 
     ess = get("rollout_corr/rollout_is_eff_sample_size")
-    return (f"reward {get('reward/mean'):.3f}  loss {get('loss/policy'):+.4f}  kl {get('rollout_corr/kl'):.2e}  "
+    return (f"reward {get('reward/mean'):.3f}  loss {get('loss/policy'):+.4f}  k3 kl {get('rollout_corr/k3_kl'):.2e}  "
             f"kept {get('rollout_corr/kept_token_fraction'):.3f}  ess {ess:.3f}"
             f"  len {get('response/length_mean'):.1f}  gen {get('timing/generation_s'):.1f}s  "
             f"train {get('timing/train_s'):.1f}s")

@@ -40,9 +40,11 @@ def test_capture_sends_child_and_own_output_to_the_log_redacted(tmp_path: Path) 
 def test_step_line_has_the_headline_and_eta() -> None:
     out = io.StringIO()
     progress = StepProgress(total=4, start=0, console=Console(stream=out))
-    progress.update(1, {"reward/mean": -0.5, "rollout_corr/kl": 3e-3, "rollout_corr/kept_token_fraction": 1.0})
+    progress.update(1, {"reward/mean": -0.5, "rollout_corr/kl": -3e-3, "rollout_corr/k3_kl": 2e-3,
+                        "rollout_corr/kept_token_fraction": 1.0})
     line = out.getvalue()
-    assert line.startswith("step 1/4  reward -0.500") and "kl 3.00e-03" in line and "eta " in line
+    assert line.startswith("step 1/4  reward -0.500") and "k3 kl 2.00e-03" in line and "eta " in line
+    assert "-3.00e-03" not in line  # the signed k1 estimate is not the headline
     assert progress.eta_seconds(1) >= 0
 
 
