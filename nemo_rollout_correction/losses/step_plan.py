@@ -58,8 +58,13 @@ _POLICY_SUMS = ("num_tokens", "pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_k
 
 
 def denominator_strategy(cfg: RolloutCorrectionConfig, *, kl_penalty_on: bool) -> DenominatorStrategy:
-    """How this configuration gets an update's loss denominator (see the module table)."""
-    if not cfg.bypass_mode:
+    """How this configuration gets an update's loss denominator (see the module table).
+
+    `old_logprob_source="loglinear"` is planned like bypass mode: its pi_old interpolates the rollout and the
+    current policy's logprobs (`core.loglinear`), so it, and the correction judged on it, exist only inside
+    the loss pass.
+    """
+    if not cfg.bypass_mode and cfg.old_logprob_source == "forward":
         return "decoupled"
     if rejection_is_predictable(cfg) and not cfg.rollout_is_batch_normalize:
         return "rollout_only"

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +56,7 @@ from nemo_rollout_correction.config.loader import to_dict
 from nemo_rollout_correction.config.redaction import redact_tree
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.advantages import grpo_advantages
+from nemo_rollout_correction.core.loglinear import loglinear_alpha, loglinear_error_partials, loglinear_old_logprobs
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens, shard_next_token_batch
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage, gather_weights_to_first_stage
@@ -115,6 +117,7 @@ class Microbatch:
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     train_logprobs: Tensor | None = None  # the loss pass's logprobs (pre-update policy), detached
+    forward_old_logprobs: Tensor | None = None  # loglinear check steps: the forward's pi_old, for the error
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,11 @@ class GrpoTrainer:
     def strategy(self) -> DenominatorStrategy:
         """Where each update's loss denominator comes from (`losses.step_plan.denominator_strategy`)."""
         return denominator_strategy(self.rc_cfg, kl_penalty_on=self.reference is not None)
+
+    @property
+    def uses_loglinear(self) -> bool:
+        """Decoupled mode with `old_logprobs` interpolated in the loss pass instead of scored by a forward."""
+        return not self.rc_cfg.bypass_mode and self.rc_cfg.old_logprob_source == "loglinear"
 
     def prompt_token_ids(self, record: PromptRecord) -> list[int]:
         """Token ids of a prompt (chat template when configured and available)."""
@@ -396,7 +404,7 @@ class GrpoTrainer:
             updates: list[Update] = []
             for _epoch in range(cfg.grpo.ppo_epochs):
                 for microbatches in mini_batches:
-                    updates.append(self.train_update(microbatches))
+                    updates.append(self.train_update(microbatches, len(updates)))
             review = self.review(batch, mini_batches, updates, reward_t, records)
             with self._timed("refit"):
                 self.refit()
@@ -415,11 +423,22 @@ class GrpoTrainer:
         return metrics
 
     def score_old_logprobs(self, microbatches: list[Microbatch]) -> None:
-        """Decoupled mode: `old_logprobs` of every microbatch from the policy before the step's first update."""
+        """Decoupled mode: `old_logprobs` of every microbatch from the policy before the step's first update.
+
+        With `old_logprob_source=loglinear` the pass runs only on the `loglinear_check_every` steps, where its
+        result is kept to measure the interpolation's error (`_loglinear_old_logprobs`).
+        """
         if self.rc_cfg.bypass_mode:
             return
+        if self.uses_loglinear:
+            every = self.rc_cfg.loglinear_check_every
+            if not (every and (self.step_index + 1) % every == 0):
+                return
         for mb, scored in zip(microbatches, self._score(self.policy, microbatches) or [], strict=False):
-            mb.old_logprobs = scored
+            if self.uses_loglinear:
+                mb.forward_old_logprobs = scored
+            else:
+                mb.old_logprobs = scored
 
     def score_ref_logprobs(self, microbatches: list[Microbatch]) -> None:
         """With a KL penalty: the reference (initial) policy's logprobs of every microbatch."""
@@ -428,8 +447,10 @@ class GrpoTrainer:
         for mb, scored in zip(microbatches, self._score(self.reference, microbatches) or [], strict=False):
             mb.ref_logprobs = scored
 
-    def train_update(self, microbatches: list[Microbatch]) -> Update:
-        """One optimizer update on one mini-batch: plan, forward/backward, optimizer step, finish."""
+    def train_update(self, microbatches: list[Microbatch], index: int = 0) -> Update:
+        """One optimizer update (the step's `index`-th) on one mini-batch: plan, forward/backward, optimizer step,
+        finish."""
+        self._update_index = index
         with self._timed("correction"):
             plan = self.plan(microbatches)
         with self._timed("train"):
@@ -451,6 +472,10 @@ class GrpoTrainer:
         if not self.policy.is_last_stage:
             return StepPlan(self.strategy, None, None, {})
         reference: list[Tensor] | None = current
+        if current is not None and self.uses_loglinear:  # the pre-pass judges the interpolated pi_old
+            alpha = self._loglinear_alpha()
+            reference = [loglinear_old_logprobs(mb.rollout_logprobs, cur, alpha)
+                         for mb, cur in zip(microbatches, current, strict=True)]
         if reference is None and not self.rc_cfg.bypass_mode:
             reference = [mb.old_logprobs for mb in microbatches if mb.old_logprobs is not None]
         return plan_step(self.loss_fn, self.strategy, [mb.rollout_logprobs for mb in microbatches],
@@ -469,6 +494,8 @@ class GrpoTrainer:
             logprobs = self._logprobs(logits, mb)
             if mb.train_logprobs is None:  # the policy of the step's first pass over mb (the review's)
                 mb.train_logprobs = logprobs.detach()
+            if self.uses_loglinear:
+                mb.old_logprobs = self._loglinear_old_logprobs(mb, logprobs, stats)
             return microbatch_loss(plan, self.loss_fn, i, logprobs, mb.rollout_logprobs, mb.advantages,
                                    mb.loss_mask, self.groups, stats, old_logprobs=mb.old_logprobs,
                                    ref_logprobs=mb.ref_logprobs)
@@ -477,6 +504,25 @@ class GrpoTrainer:
         run_microbatches(self.optim.module, [mb.input_ids for mb in microbatches], loss_hook,
                          forward_only=False, position_ids=positions or None)
         return stats
+
+    def _loglinear_alpha(self) -> Tensor:
+        """AReaL's interpolation weight for the current update (`core.loglinear.loglinear_alpha`).
+
+        Versions count this step's optimizer updates. The step is synchronous: the engine sampled with the
+        weights pi_old has (v_b = v_old = 0), and the k-th update trains v_theta = k. So alpha = 1 for the first
+        update (pi_old is the current policy exactly) and 0 after it (pi_old falls back to the rollout policy).
+        """
+        return loglinear_alpha(0, 0, self._update_index)
+
+    def _loglinear_old_logprobs(self, mb: Microbatch, logprobs: Tensor, stats: StepStats) -> Tensor:
+        """`old_logprobs` `[rows, local_seq]` interpolated from the rollout and the loss pass's logprobs; on check
+        steps the error against the forward's pi_old is added to `stats` (summed over dp x cp by `finish_step`)."""
+        old = loglinear_old_logprobs(mb.rollout_logprobs, logprobs, self._loglinear_alpha())
+        if mb.forward_old_logprobs is not None:
+            partials = loglinear_error_partials(old, mb.forward_old_logprobs, mb.loss_mask)
+            for key in ("abs_error_sum", "sq_error_sum", "num_tokens"):
+                stats.add(f"loglinear_{key}", float(partials[key]))
+        return old
 
     def review(self, batch: RolloutBatch, mini_batches: list[list[Microbatch]], updates: list[Update],
                rewards: Tensor, records: list[PromptRecord]) -> StepReview | None:
@@ -571,6 +617,12 @@ class GrpoTrainer:
                 metrics[f"loss/pg_clipfrac_epoch{epoch + 1}"] = mean([clipfrac(u) for u in chunk])
         for key in updates[0].result.rc_metrics:
             metrics[key] = mean([float(u.result.rc_metrics[key]) for u in updates])
+        if "loglinear_num_tokens" in updates[0].result.sums:  # a loglinear check step: error vs the forward
+            counts = [max(u.result.sums["loglinear_num_tokens"], 1.0) for u in updates]
+            metrics["rollout_corr/loglinear_abs_error_mean"] = mean(
+                [u.result.sums["loglinear_abs_error_sum"] / n for u, n in zip(updates, counts, strict=True)])
+            metrics["rollout_corr/loglinear_rmse"] = mean(
+                [math.sqrt(u.result.sums["loglinear_sq_error_sum"] / n) for u, n in zip(updates, counts, strict=True)])
         return metrics
 
     def _review(

@@ -325,3 +325,25 @@ def test_dapo_in_the_step_filters_penalises_and_skips(tmp_path: Path) -> None:
         else:
             assert m["optim/num_updates"] == 1.0 and m["grpo/filtered_group_fraction"] < 1.0
         assert all(v == v for v in m.values()), "a NaN metric"
+
+
+def test_loglinear_old_logprobs_skip_the_forward_and_match_it(tmp_path: Path) -> None:
+    """rollout_correction.old_logprob_source=loglinear: in a synchronous step the first update's interpolated
+    pi_old is the current policy exactly (alpha = 1), so step 1 gives the forward path's loss and correction;
+    on check steps the error against the forward is logged, and without checks no old-logprob pass runs."""
+    common = [*FAST, "rollout.dtype=float32", "run.num_steps=2", "tracking.enabled=false",
+              "checkpoint.every_n_steps=0", "rollout_correction=token_tis"]
+    forward, checked, skipped = tmp_path / "forward", tmp_path / "checked", tmp_path / "skipped"
+    _ok(nrc([*common, f"run.output_dir={forward}"], tmp_path))
+    _ok(nrc([*common, "rollout_correction.old_logprob_source=loglinear", "rollout_correction.loglinear_check_every=1",
+             f"run.output_dir={checked}"], tmp_path))
+    _ok(nrc([*common, "rollout_correction.old_logprob_source=loglinear", f"run.output_dir={skipped}"], tmp_path))
+    ref, chk, skp = read_metrics(forward)[0], read_metrics(checked), read_metrics(skipped)
+    for m in (chk[0], skp[0]):
+        assert m["loss/policy"] == pytest.approx(ref["loss/policy"], rel=1e-4, abs=1e-6)
+        assert m["rollout_corr/kl"] == pytest.approx(ref["rollout_corr/kl"], rel=1e-3, abs=1e-7)
+    for m in chk:
+        assert m["rollout_corr/loglinear_abs_error_mean"] < 1e-5 and m["rollout_corr/loglinear_rmse"] < 1e-5
+    for m in skp:
+        assert "rollout_corr/loglinear_abs_error_mean" not in m
+        assert m["timing/old_logprob_s"] < 0.05 * max(ref["timing/old_logprob_s"], 1e-3)
