@@ -95,7 +95,8 @@ def prepass(module: RolloutCorrectedPolicyLoss, data: dict[str, Tensor]
     for start, stop in SPLITS:
         reference_lp = (logprobs_of(data["logits"][start:stop], data["targets"][start:stop])
                         if module.rc_cfg.bypass_mode else data["old"][start:stop])
-        corrections.append(module.correct(reference_lp, data["rollout"][start:stop], data["mask"][start:stop], SINGLE))
+        corrections.append(module.correct(reference_lp, data["rollout"][start:stop], data["mask"][start:stop], SINGLE,
+                                          advantages=data["advantages"][start:stop]))
     step = module.prepare_step(corrections, SINGLE)
     return corrections, StepDenominators.from_step(step)
 
