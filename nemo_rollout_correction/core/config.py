@@ -120,7 +120,7 @@ class RolloutCorrectionConfig:
 
     # -- advantage- and probability-aware masks (docs/math.md, "Frontier masks") ---------------
     opsm_threshold: float | None = None
-    """OPSM: reject a sequence with negative advantage whose mean(rollout_logprobs - old_logprobs) exceeds this; None = off."""
+    """OPSM: reject a sequence with advantage < 0 whose mean(rollout_logprobs - old_logprobs) exceeds it; None = off."""
 
     kpop_threshold: float | None = None
     """KPop: reject a token whose symmetric binary KL of its trainer vs rollout probability exceeds this; None = off."""

@@ -18,8 +18,6 @@ from torch import Tensor
 
 from nemo_rollout_correction.core import keys as K
 from nemo_rollout_correction.core.config import RejectionCriterion, RolloutCorrectionConfig
-from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
-from nemo_rollout_correction.core.rejection import sequence_statistic, statistic_bounds, token_statistic
 from nemo_rollout_correction.core.frontier import (
     dppo_tv_rejected,
     frontier_token_rejected,
@@ -27,6 +25,8 @@ from nemo_rollout_correction.core.frontier import (
     opsm_negative_advantage,
     opsm_sequence_kl,
 )
+from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
+from nemo_rollout_correction.core.rejection import sequence_statistic, statistic_bounds, token_statistic
 from nemo_rollout_correction.core.sequence_stats import bounded_one, token_is_weights, token_rs_rejected
 from nemo_rollout_correction.core.stats import LogHistogram, Partials
 

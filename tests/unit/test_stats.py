@@ -30,7 +30,7 @@ def test_partials_combine_by_kind() -> None:
     a.merge(b)
     assert a.get_sum("n") == 6.5 and a.get_sum("only_b") == 7.0
     # A missing partial is an error, never 0.0 (a misspelt denominator key would zero the loss).
-    with pytest.raises(KeyError, match="absent.*present"):
+    with pytest.raises(KeyError, match=r"absent.*present"):
         a.get_sum("absent")
     assert float(a.maxs["hi"]) == 4.0 and float(a.mins["lo"]) == -1.0
     assert all(v.dtype == torch.float64 for d in (a.sums, a.maxs, a.mins) for v in d.values())
