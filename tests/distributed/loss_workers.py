@@ -69,6 +69,9 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
     "bypass_rs": _cfg(bypass_mode=True, rollout_rs="token_k1", rollout_rs_threshold="0.9_1.1",
                       rollout_token_veto_threshold=1e-4, nonfinite_policy="mask_token"),
     "pure_is_seq": _cfg(bypass_mode=True, loss_type="reinforce", rollout_is="sequence", rollout_is_threshold=2.0),
+    # OPSM (sequence KL over CP pieces, advantage sign) with DPPO-TV and KPop on top of token IS.
+    "frontier": _cfg(rollout_is="token", rollout_is_threshold=1.1, opsm_threshold=0.0, dppo_tv_threshold=0.02,
+                     kpop_threshold=0.004),
 }
 
 
@@ -131,7 +134,8 @@ def run_layout(layout: Layout, groups: ParallelGroups, data: dict[str, Tensor]) 
                 with torch.no_grad():
                     current = module_logprobs(logits, batch["targets"], groups)
                 reference = current if cfg.bypass_mode else batch["old"]
-                corrections.append(module.correct(reference, batch["rollout"], batch["mask"], groups))
+                corrections.append(module.correct(reference, batch["rollout"], batch["mask"], groups,
+                                                  advantages=batch["advantages"]))
             step = module.prepare_step(corrections, groups)
             den = StepDenominators.from_step(step)
             total, grads = 0.0, []
@@ -203,7 +207,8 @@ def run_nemo_rl(layout: Layout, groups: ParallelGroups, data: dict[str, Tensor])
                     current = module_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], groups)
                 reference = current if cfg.bypass_mode else mb["prev_logprobs"][:, 1:]
                 mask = (mb["token_mask"][:, 1:] != 0) & (mb["sample_mask"][:, None] != 0)
-                corrections.append(adapter.loss.correct(reference, mb["generation_logprobs"][:, 1:], mask, groups))
+                corrections.append(adapter.loss.correct(reference, mb["generation_logprobs"][:, 1:], mask, groups,
+                                                        advantages=mb["advantages"][:, 1:]))
             step = adapter.loss.prepare_step(corrections, groups)
             adapter.set_step_denominators(StepDenominators.from_step(step))
             total, grads = 0.0, []
