@@ -212,13 +212,16 @@ def run_nemo_rl(layout: Layout, groups: ParallelGroups, data: dict[str, Tensor])
             step = adapter.loss.prepare_step(corrections, groups)
             adapter.set_step_denominators(StepDenominators.from_step(step))
             total, grads = 0.0, []
+            # NeMo-RL's sync path passes its own mask counts; the override replaces them (placeholder 1s
+            # would mean its split path, which the adapter refuses without split_train_path=True).
+            nemo_seqs, nemo_toks = torch.tensor(float(ROWS)), torch.tensor(float(ROWS * COLS))
             for start, stop, mb, logits in mbs:
                 if groups.tp_size > 1:  # the older NeMo-RL call convention, with the TP group
-                    loss, metrics = adapter(logits, mb, torch.tensor(1.0), torch.tensor(1.0),
+                    loss, metrics = adapter(logits, mb, nemo_seqs, nemo_toks,
                                             vocab_parallel_rank=groups.tp_rank, vocab_parallel_group=groups.tp_group)
                 else:  # the newer keyword convention (LossInputType.LOGIT)
-                    loss, metrics = adapter(data=mb, global_valid_seqs=torch.tensor(1.0),
-                                            global_valid_toks=torch.tensor(1.0), logits=logits)
+                    loss, metrics = adapter(data=mb, global_valid_seqs=nemo_seqs, global_valid_toks=nemo_toks,
+                                            logits=logits)
                 assert "loss" in metrics
                 (grad,) = torch.autograd.grad(loss, logits)
                 total += float(loss.detach())
