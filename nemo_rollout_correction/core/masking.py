@@ -115,6 +115,12 @@ class TokenChunk:
             self._rollout = torch.where(self.valid, rollout, 0.0)
             self.row_sum_rollout = self._rollout.sum(dim=-1)
 
+    def write_rollout_logprobs(self, out: Tensor) -> Tensor:
+        """Write the float32 rollout logprobs, 0 on invalid tokens, into `out` (`[rows, seq]`); return it."""
+        if self.all_finite:
+            return torch.mul(self._rollout, self.valid_f, out=out)
+        return out.copy_(self._rollout)
+
     @cached_property
     def rollout_logprobs(self) -> Tensor:
         """float32 rollout logprobs on valid tokens, 0 elsewhere (log-prob 0 = probability 1)."""

@@ -35,7 +35,8 @@ QUANTILES: tuple[tuple[str, float], ...] = (("p1", 0.01), ("p10", 0.10), ("p50",
                                             ("p99", 0.99))
 
 _PPL_LOG_BOUND = 300.0
-_CONSTANT_RTOL = 1e-12
+_CONSTANT_RTOL = 1e-6
+_PROB_SHIFT = 0.5
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
 
@@ -178,18 +179,36 @@ def _prob_pearson_partials(out: Partials, tok: TokenChunk, keep: Tensor) -> None
     """Mergeable moments of (p_train, p_rollout) over kept tokens: n, sums, squares, cross products.
 
     Pearson's r needs only these six sums, so it is exact across chunks, microbatches, DP and CP.
+    Hot path (every config), so: p and q go into one `[2, rows * seq]` float32 buffer, one exp
+    pass, and the three second moments come from one 2 x 2 Gram matrix (a BLAS product) and the
+    two sums from one row reduction.
+    Sums are accumulated in float32 and widened (K.PROB_* hold sums of p - 1/2 and q - 1/2).
     """
-    keep_f = (tok.valid_f if keep is tok.valid else keep.float()).flatten().double()
-    # float64 products and sums: r comes from differences of these sums (cancellation), and
-    # float32 accumulation error would swamp the variance of nearly constant probabilities.
-    p, q = tok.train_prob.flatten().double(), tok.rollout_prob.flatten().double()
-    pk, qk = p * keep_f, q * keep_f
-    out.add_sum(K.PROB_N, keep_f.sum())
-    out.add_sum(K.PROB_SUM_TRAIN, pk.sum())
-    out.add_sum(K.PROB_SUM_ROLLOUT, qk.sum())
-    out.add_sum(K.PROB_SUM_TRAIN_SQ, torch.dot(pk, p))
-    out.add_sum(K.PROB_SUM_ROLLOUT_SQ, torch.dot(qk, q))
-    out.add_sum(K.PROB_SUM_CROSS, torch.dot(pk, q))
+    buf = torch.empty((2, *keep.shape), dtype=torch.float32, device=keep.device)
+    rollout_lp = tok.write_rollout_logprobs(buf[1])
+    torch.add(rollout_lp, tok.log_ratio, out=buf[0])  # old_logprobs on valid tokens, 0 elsewhere
+    # Moments of p - 1/2 rather than p: r is shift-invariant, and centring the probabilities keeps
+    # the float32 sums far from the cancellation in S_pp = sum p^2 - (sum p)^2 / n (the same constant
+    # shift on every chunk and rank, so the partials still merge by addition).
+    buf.exp_().sub_(_PROB_SHIFT)
+    # Zero outside keep (masking, not subtracting the known value of invalid positions: padding
+    # would otherwise inflate the float32 sums and their rounding error).
+    if keep is tok.valid:
+        keep_f = tok.valid_f
+        count = torch.tensor(float(tok.numel - tok.num_invalid), dtype=torch.float64)
+    else:
+        keep_f = keep.float()
+        count = keep_f.sum().double()
+    buf.mul_(keep_f)
+    flat = buf.view(2, -1)
+    sums = flat.sum(dim=1).double()
+    gram = (flat @ flat.T).double()
+    out.add_sum(K.PROB_N, count)
+    out.add_sum(K.PROB_SUM_TRAIN, sums[0])
+    out.add_sum(K.PROB_SUM_ROLLOUT, sums[1])
+    out.add_sum(K.PROB_SUM_TRAIN_SQ, gram[0, 0])
+    out.add_sum(K.PROB_SUM_ROLLOUT_SQ, gram[1, 1])
+    out.add_sum(K.PROB_SUM_CROSS, gram[0, 1])
 
 
 def _token_criterion_partials(out: Partials, tok: TokenChunk, criterion: RejectionCriterion) -> None:
@@ -440,15 +459,16 @@ def _finalize_frontier(m: dict[str, float], f: _Finalizer, cfg: RolloutCorrectio
 def prob_pearson(n: float, sum_p: float, sum_q: float, sum_pp: float, sum_qq: float, sum_pq: float) -> float:
     """Pearson's r of (p, q) from its mergeable sums; 0.0 when undefined (n < 2 or a constant side).
 
-    Centred second moments from raw sums: S_pq = sum pq - sum p * sum q / n (float64). A variance
-    below 1e-12 of the raw sum of squares is rounding noise of a constant side (r undefined).
+    Centred second moments from raw sums: S_pq = sum pq - sum p * sum q / n (in float64, from sums
+    accumulated in float32). A variance below 1e-6 of the raw sum of squares is within the float32
+    rounding of a constant side, where r is undefined.
     """
     if n < 2:
         return 0.0
     s_pq = sum_pq - sum_p * sum_q / n
     s_pp = sum_pp - sum_p * sum_p / n
     s_qq = sum_qq - sum_q * sum_q / n
-    # A centred sum of squares within float64 rounding of the raw one is a constant side.
+    # A centred sum of squares within float32 accumulation error of the raw one: a constant side.
     if s_pp <= _CONSTANT_RTOL * sum_pp or s_qq <= _CONSTANT_RTOL * sum_qq:
         return 0.0
     return max(-1.0, min(1.0, s_pq / math.sqrt(s_pp * s_qq)))

@@ -224,7 +224,8 @@ def test_prob_pearson_matches_numpy_over_kept_tokens() -> None:
     kept = out.keep_mask
     assert (mask & ~kept).any()  # the token IS mask removed some: the metric follows keep_mask
     want = np.corrcoef(old.exp()[kept].double().numpy(), rollout.exp()[kept].double().numpy())[0, 1]
-    assert out.metrics[F + "prob_pearson"] == pytest.approx(want, rel=1e-9)
+    # float32 accumulation per chunk (docs/metrics.md): within 1e-6 of the float64 reference.
+    assert out.metrics[F + "prob_pearson"] == pytest.approx(want, abs=1e-6)
 
 
 def test_prob_pearson_is_exact_across_microbatches() -> None:
@@ -237,9 +238,17 @@ def test_prob_pearson_is_exact_across_microbatches() -> None:
     merged = Partials()
     for start, stop in ((0, 2), (2, 3), (3, 9)):
         merged.merge(compute_rollout_correction(old[start:stop], rollout[start:stop], mask[start:stop], c).partials)
-    assert finalize_metrics(merged, c)[F + "prob_pearson"] == pytest.approx(whole, rel=1e-12)
+    # The merged moments give the correlation of all kept tokens (equal up to float32 rounding of
+    # each microbatch's sums), not an average of per-microbatch correlations.
+    assert finalize_metrics(merged, c)[F + "prob_pearson"] == pytest.approx(whole, abs=1e-6)
+    kept = compute_rollout_correction(old, rollout, mask, c).keep_mask
+    exact = np.corrcoef(old.exp()[kept].double().numpy(), rollout.exp()[kept].double().numpy())[0, 1]
+    assert whole == pytest.approx(exact, abs=1e-6)
+    p_all, q_all = old.exp().double(), rollout.exp().double()
+    per_mb = [np.corrcoef(p_all[a:b][kept[a:b]].numpy(), q_all[a:b][kept[a:b]].numpy())[0, 1] for a, b in ((0, 3), (3, 9))]
+    assert abs(float(np.mean(per_mb)) - exact) > 1e-4  # averaging per microbatch would be wrong
     want = np.corrcoef(old.exp()[mask].double().numpy(), rollout.exp()[mask].double().numpy())[0, 1]
-    assert whole != pytest.approx(want, rel=1e-6)  # rejections matter: kept tokens, not all loss tokens
+    assert whole != pytest.approx(want, abs=1e-4)  # rejections matter: kept tokens, not all loss tokens
 
 
 def test_prob_pearson_undefined_cases_read_zero() -> None:
