@@ -245,7 +245,8 @@ def test_prob_pearson_is_exact_across_microbatches() -> None:
     exact = np.corrcoef(old.exp()[kept].double().numpy(), rollout.exp()[kept].double().numpy())[0, 1]
     assert whole == pytest.approx(exact, abs=1e-6)
     p_all, q_all = old.exp().double(), rollout.exp().double()
-    per_mb = [np.corrcoef(p_all[a:b][kept[a:b]].numpy(), q_all[a:b][kept[a:b]].numpy())[0, 1] for a, b in ((0, 3), (3, 9))]
+    per_mb = [np.corrcoef(p_all[a:b][kept[a:b]].numpy(), q_all[a:b][kept[a:b]].numpy())[0, 1]
+              for a, b in ((0, 3), (3, 9))]
     assert abs(float(np.mean(per_mb)) - exact) > 1e-4  # averaging per microbatch would be wrong
     want = np.corrcoef(old.exp()[mask].double().numpy(), rollout.exp()[mask].double().numpy())[0, 1]
     assert whole != pytest.approx(want, abs=1e-4)  # rejections matter: kept tokens, not all loss tokens
