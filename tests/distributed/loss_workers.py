@@ -69,9 +69,6 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
     "bypass_rs": _cfg(bypass_mode=True, rollout_rs="token_k1", rollout_rs_threshold="0.9_1.1",
                       rollout_token_veto_threshold=1e-4, nonfinite_policy="mask_token"),
     "pure_is_seq": _cfg(bypass_mode=True, loss_type="reinforce", rollout_is="sequence", rollout_is_threshold=2.0),
-    # OPSM (sequence KL over CP pieces, advantage sign) with DPPO-TV and KPop on top of token IS.
-    "frontier": _cfg(rollout_is="token", rollout_is_threshold=1.1, opsm_threshold=0.0, dppo_tv_threshold=0.02,
-                     kpop_threshold=0.004),
 }
 
 
