@@ -248,8 +248,11 @@ def local_is_weight_mean(partials: Partials) -> float:
     """Mean applied IS weight over kept tokens (token level) or kept sequences (sequence levels).
 
     Distributed callers instead sum `is_weight_kept_sum` and `is_weight_kept_count` over
-    dp x cp and divide.
+    dp x cp and divide. Sequence-level weights are counted by the CP rank that owns the sequences,
+    so on the other CP ranks both partials are legitimately absent: nothing kept here, mean 1.0.
     """
+    if K.IS_WEIGHT_KEPT_COUNT not in partials.sums:
+        return 1.0
     count = partials.get_sum(K.IS_WEIGHT_KEPT_COUNT)
     return partials.get_sum(K.IS_WEIGHT_KEPT_SUM) / count if count > 0 else 1.0
 
