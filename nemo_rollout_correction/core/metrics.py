@@ -180,17 +180,20 @@ def _prob_pearson_partials(out: Partials, tok: TokenChunk, keep: Tensor) -> None
 
     Pearson's r needs only these six sums, so it is exact across chunks, microbatches, DP and CP.
     Hot path (every config), so: p and q go into one `[2, rows * seq]` float32 buffer, one exp
-    pass, and the three second moments come from one 2 x 2 Gram matrix (a BLAS product) and the
-    two sums from one row reduction.
+    pass (of q; p reuses rho - 1), and the three second moments come from one 2 x 2 Gram matrix
+    (a BLAS product) and the two sums from one row reduction.
     Sums are accumulated in float32 and widened (K.PROB_* hold sums of p - 1/2 and q - 1/2).
     """
     buf = torch.empty((2, *keep.shape), dtype=torch.float32, device=keep.device)
-    rollout_lp = tok.write_rollout_logprobs(buf[1])
-    torch.add(rollout_lp, tok.log_ratio, out=buf[0])  # old_logprobs on valid tokens, 0 elsewhere
+    q = tok.write_rollout_logprobs(buf[1]).exp_()
+    # p = q * rho = q + q * (rho - 1), from the rho - 1 the sequence statistics already computed
+    # (one exp pass instead of two). rho is clamped at e^+-20: only a token with p or q below 2e-9
+    # is affected, by an amount far below the rounding of the sums.
+    torch.addcmul(q, q, tok.expm1, out=buf[0])
     # Moments of p - 1/2 rather than p: r is shift-invariant, and centring the probabilities keeps
     # the float32 sums far from the cancellation in S_pp = sum p^2 - (sum p)^2 / n (the same constant
     # shift on every chunk and rank, so the partials still merge by addition).
-    buf.exp_().sub_(_PROB_SHIFT)
+    buf.sub_(_PROB_SHIFT)
     # Zero outside keep (masking, not subtracting the known value of invalid positions: padding
     # would otherwise inflate the float32 sums and their rounding error).
     if keep is tok.valid:
