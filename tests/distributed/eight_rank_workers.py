@@ -45,7 +45,6 @@ CORRECTION_CONFIGS: tuple[str, ...] = (
     "none", "token_tis", "token_mis_bn", "token_tis_2sided_bn", "seq_tis_2sided", "seq_mis_veto", "seq_tis_bn",
     "geo_mis_bn", "geo_tis", "rs_seq_k1", "rs_token_mixed", "rs_token_k1_is_mask", "rs_token_k3_only",
     "rs_seq_mean_k2", "rs_metrics_only", "bypass_rs", "pure_is_seq", "pure_is_token_bn", "max_fraction_ok",
-    "frontier_all",
 )
 # Packed CP is the same math on another token order: a cheaper subset there.
 PACKED_CONFIGS: tuple[str, ...] = ("token_tis_2sided_bn", "seq_mis_veto", "geo_mis_bn", "rs_token_mixed", "bypass_rs")
