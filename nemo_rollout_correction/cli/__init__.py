@@ -56,7 +56,10 @@ def generate_rollouts(batch: int, seq: int, vocab: int, seed: int, num_nan: int)
     if num_nan:
         rows = torch.randint(0, batch, (num_nan,), generator=gen)
         rollout_logprobs[rows, 0] = float("nan")
-    return {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask}
+    # GRPO-like advantages (half the rows negative), for the presets that mask by advantage (OPSM, DPPO-TV).
+    advantages = torch.where(torch.rand(batch, generator=gen) < 0.5, -1.0, 1.0)
+    return {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask,
+            "advantages": advantages}
 
 
 def _format_row(name: str, metrics: dict[str, float], millis: float) -> str:
@@ -87,7 +90,8 @@ def run_demo(args: argparse.Namespace) -> int:
     for name in names:
         cfg = RolloutCorrectionConfig.from_preset(name)
         start = time.perf_counter()
-        out = compute_rollout_correction(data["old_logprobs"], data["rollout_logprobs"], data["loss_mask"], cfg)
+        out = compute_rollout_correction(data["old_logprobs"], data["rollout_logprobs"], data["loss_mask"], cfg,
+                                         advantages=data["advantages"])
         millis = (time.perf_counter() - start) * 1e3
         results[name] = out.metrics
         print(_format_row(name, out.metrics, millis), flush=True)

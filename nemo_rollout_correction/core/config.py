@@ -129,6 +129,19 @@ class RolloutCorrectionConfig:
     rejected_tokens_in_denominator: bool = False
     """Keep rejected tokens in the loss denominator (they still contribute 0 to the numerator)."""
 
+    # -- advantage- and probability-aware masks (docs/math.md, "Frontier masks") ---------------
+    opsm_threshold: float | None = None
+    """OPSM: reject a sequence with advantage < 0 whose mean(rollout_logprobs - old_logprobs) exceeds it; None = off."""
+
+    kpop_threshold: float | None = None
+    """KPop: reject a token whose symmetric binary KL of its trainer vs rollout probability exceeds this; None = off."""
+
+    dppo_tv_threshold: float | None = None
+    """DPPO-TV: reject a token with advantage > 0 whose p_train - p_rollout exceeds this; None = off."""
+
+    dppo_tv_threshold_low: float | None = None
+    """DPPO-TV bound for advantage <= 0: reject when p_rollout - p_train exceeds it; None = dppo_tv_threshold."""
+
     _criteria: tuple[RejectionCriterion, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +181,15 @@ class RolloutCorrectionConfig:
         if self.rollout_is is None and self.rollout_is_batch_normalize:
             raise ValueError("rollout_is_batch_normalize=true needs an IS level: set rollout_is to one of "
                              f"{list(IS_LEVELS)}")
+        for name in ("opsm_threshold", "dppo_tv_threshold", "dppo_tv_threshold_low"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_nonnegative(name, value)
+        if self.kpop_threshold is not None:
+            _check_positive("kpop_threshold", self.kpop_threshold)
+        if self.dppo_tv_threshold_low is not None and self.dppo_tv_threshold is None:
+            raise ValueError("dppo_tv_threshold_low needs dppo_tv_threshold (the bound for positive advantages); "
+                             "set both or leave both null")
         object.__setattr__(self, "_criteria", _parse_rejection(self.rollout_rs, self.rollout_rs_threshold))
 
     # ---- derived views -------------------------------------------------------------------
@@ -183,6 +205,16 @@ class RolloutCorrectionConfig:
     def rejection_criteria(self) -> tuple[RejectionCriterion, ...]:
         """The parsed `rollout_rs` criteria, in the order given (duplicates removed)."""
         return self._criteria
+
+    @property
+    def dppo_tv_low(self) -> float | None:
+        """The effective DPPO-TV bound for tokens with advantage <= 0 (None when DPPO-TV is off)."""
+        return self.dppo_tv_threshold_low if self.dppo_tv_threshold_low is not None else self.dppo_tv_threshold
+
+    @property
+    def needs_advantages(self) -> bool:
+        """True when a mask reads the advantages (OPSM, DPPO-TV): the correction must be given them."""
+        return self.opsm_threshold is not None or self.dppo_tv_threshold is not None
 
     @property
     def pure_is(self) -> bool:
@@ -251,6 +283,13 @@ def _check_positive(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _check_nonnegative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def _parse_rejection(options: str | None, thresholds: str | float | None) -> tuple[RejectionCriterion, ...]:

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from nemo_rollout_correction.core import keys as K
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
-from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk, validate_inputs
+from nemo_rollout_correction.core.frontier import opsm_rejected
+from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk, validate_advantages, validate_inputs
 from nemo_rollout_correction.core.metrics import (
     finalize_metrics,
     sequence_metric_partials,
@@ -69,12 +71,12 @@ class RolloutCorrectionOutput:
     @property
     def num_kept_tokens(self) -> int:
         """Tokens in keep_mask (local; a distributed caller sums it over dp x cp)."""
-        return int(self.partials.get_sum("num_kept_tokens"))
+        return int(self.partials.get_sum(K.NUM_KEPT_TOKENS))
 
     @property
     def num_denominator_tokens(self) -> int:
         """Tokens in denominator_mask (local; the global sum is the loss denominator)."""
-        return int(self.partials.get_sum("num_denominator_tokens"))
+        return int(self.partials.get_sum(K.NUM_DENOMINATOR_TOKENS))
 
 
 def compute_rollout_correction(
@@ -84,6 +86,7 @@ def compute_rollout_correction(
     cfg: RolloutCorrectionConfig,
     *,
     is_weight_mean: float | Tensor | None = None,
+    advantages: Tensor | None = None,
 ) -> RolloutCorrectionOutput:
     """IS weights, keep mask and diagnostics for one batch.
 
@@ -94,18 +97,22 @@ def compute_rollout_correction(
     cfg: the configuration (see `RolloutCorrectionConfig.from_preset`).
     is_weight_mean: for `rollout_is_batch_normalize`, the global mean of the kept weights
         (computed by the caller over all ranks); None uses this batch's own mean.
+    advantages: `[batch]` or `[batch, seq]`; required when `cfg.needs_advantages` (OPSM,
+        DPPO-TV), ignored otherwise. A sequence's OPSM advantage is the mean over its valid tokens.
 
-    Raises ValueError for mismatched shapes/dtypes, and for non-finite logprobs when the
-    config says `raise` or the fail-fast fraction is exceeded.
+    Raises ValueError for mismatched shapes/dtypes, for missing advantages, and for non-finite
+    logprobs when the config says `raise` or the fail-fast fraction is exceeded.
     """
     validate_inputs(old_logprobs, rollout_logprobs, loss_mask)
+    adv = validate_advantages(advantages, old_logprobs, cfg.needs_advantages)
     old_logprobs, rollout_logprobs = old_logprobs.detach(), rollout_logprobs.detach()
     outputs = _allocate_outputs(old_logprobs)
     partials = Partials()
     seq_parts: list[Partials] = []
     decision_parts: list[dict[str, Tensor]] = []
     for start, stop in row_chunks(old_logprobs):
-        tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop])
+        tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop],
+                         None if adv is None else adv[start:stop])
         seq = chunk_sequence_partials(tok, cfg)
         _check_nonfinite_raise(seq, cfg, start)
         token_partials, decisions = _finish_chunk(tok, seq, cfg, outputs, start, stop)
@@ -117,18 +124,21 @@ def compute_rollout_correction(
 
 
 def sequence_partials(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, cfg: RolloutCorrectionConfig
+    old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, cfg: RolloutCorrectionConfig,
+    *, advantages: Tensor | None = None,
 ) -> Partials:
     """Phase 1 alone: per-sequence partials `[batch]` to reduce over context-parallel ranks.
 
     SUM entries are summed, MAX entries maxed and MIN entries minned over the CP group; the
-    result is passed to `finish_correction` on every CP rank.
+    result is passed to `finish_correction` on every CP rank. advantages: as in
+    `compute_rollout_correction` (this rank's `[batch, local_seq]` shard, or `[batch]`).
     """
     validate_inputs(old_logprobs, rollout_logprobs, loss_mask)
+    adv = validate_advantages(advantages, old_logprobs, cfg.needs_advantages)
     parts = []
     for start, stop in row_chunks(old_logprobs):
         tok = TokenChunk(old_logprobs[start:stop].detach(), rollout_logprobs[start:stop].detach(),
-                         loss_mask[start:stop])
+                         loss_mask[start:stop], None if adv is None else adv[start:stop])
         parts.append(chunk_sequence_partials(tok, cfg))
     return Partials.concat(parts)
 
@@ -142,9 +152,11 @@ def finish_correction(
     *,
     owns_sequences: bool = True,
     is_weight_mean: float | Tensor | None = None,
+    advantages: Tensor | None = None,
 ) -> RolloutCorrectionOutput:
     """Phase 2 alone, given complete per-sequence partials `seq` (already CP-reduced).
 
+    advantages: the same tensor given to `sequence_partials` (DPPO-TV reads it per token).
     owns_sequences: whether this rank contributes the per-sequence metric terms. Under context
         parallelism every CP rank holds the same complete sequence statistics, so exactly one
         CP rank (e.g. cp_rank 0) must own them or they would be counted cp_size times.
@@ -152,13 +164,15 @@ def finish_correction(
     over dp x cp and call `finalize_metrics` for the step's values.
     """
     validate_inputs(old_logprobs, rollout_logprobs, loss_mask)
+    adv = validate_advantages(advantages, old_logprobs, cfg.needs_advantages)
     _check_nonfinite_raise(seq, cfg, 0)
     old_logprobs, rollout_logprobs = old_logprobs.detach(), rollout_logprobs.detach()
     outputs = _allocate_outputs(old_logprobs)
     partials = Partials()
     decision_parts: list[dict[str, Tensor]] = []
     for start, stop in row_chunks(old_logprobs):
-        tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop])
+        tok = TokenChunk(old_logprobs[start:stop], rollout_logprobs[start:stop], loss_mask[start:stop],
+                         None if adv is None else adv[start:stop])
         token_partials, decisions = _finish_chunk(tok, seq.slice_rows(start, stop), cfg, outputs, start, stop)
         partials.merge(token_partials)
         decision_parts.append(decisions)
@@ -217,7 +231,7 @@ def _complete(
         if not (math.isfinite(mean) and mean > 0):
             mean = 1.0  # nothing kept anywhere: nothing to rescale, and report that honestly
         # A MAX, not a SUM: every microbatch and rank of a step divides by the same global mean.
-        partials.add_max("batch_norm_factor", torch.tensor(mean, dtype=torch.float64))
+        partials.add_max(K.BATCH_NORM_FACTOR, torch.tensor(mean, dtype=torch.float64))
         if not cfg.metrics_only:
             normalize_is_weights_(outputs["is_weights"], mean)
     return RolloutCorrectionOutput(
@@ -234,18 +248,21 @@ def local_is_weight_mean(partials: Partials) -> float:
     """Mean applied IS weight over kept tokens (token level) or kept sequences (sequence levels).
 
     Distributed callers instead sum `is_weight_kept_sum` and `is_weight_kept_count` over
-    dp x cp and divide.
+    dp x cp and divide. Sequence-level weights are counted by the CP rank that owns the sequences,
+    so on the other CP ranks both partials are legitimately absent: nothing kept here, mean 1.0.
     """
-    count = partials.get_sum("is_weight_kept_count")
-    return partials.get_sum("is_weight_kept_sum") / count if count > 0 else 1.0
+    if K.IS_WEIGHT_KEPT_COUNT not in partials.sums:
+        return 1.0
+    count = partials.get_sum(K.IS_WEIGHT_KEPT_COUNT)
+    return partials.get_sum(K.IS_WEIGHT_KEPT_SUM) / count if count > 0 else 1.0
 
 
 def _check_nonfinite_fraction(partials: Partials, cfg: RolloutCorrectionConfig) -> None:
     limit = cfg.nonfinite_max_fraction
     if limit is None:
         return
-    bad = partials.get_sum("num_nonfinite_tokens")
-    total = bad + partials.get_sum("num_valid_tokens")
+    bad = partials.get_sum(K.NUM_NONFINITE_TOKENS)
+    total = bad + partials.get_sum(K.NUM_VALID_TOKENS)
     if total > 0 and bad / total > limit:
         raise ValueError(
             f"{bad / total:.4%} of loss tokens have non-finite logprobs ({int(bad)} of {int(total)}), above "
@@ -295,6 +312,10 @@ def _finish_chunk(
             decisions[f"rs:{criterion.name}"] = sequence_rejected(seq, criterion)
             rs_seq_any |= decisions[f"rs:{criterion.name}"]
     decisions["rs_any"] = rs_seq_any
+    if cfg.opsm_threshold is not None:
+        decisions["opsm"] = opsm_rejected(seq, cfg)
+        if apply:
+            seq_keep &= ~decisions["opsm"]
 
     seq_weight: Tensor | None = None
     if cfg.rollout_is in ("sequence", "geometric"):
@@ -349,13 +370,13 @@ def _finish_chunk(
 
     partials = token_metric_partials(tok, cfg, keep, weights_out, valid_weights, decisions)
     num_kept = (tok.valid_f.sum() if all_kept else keep.sum()).double()
-    partials.add_sum("num_kept_tokens", num_kept)
+    partials.add_sum(K.NUM_KEPT_TOKENS, num_kept)
     if cfg.rejected_tokens_in_denominator:
         outputs["denominator_mask"][start:stop] = tok.valid & usable.unsqueeze(-1)
-        partials.add_sum("num_denominator_tokens", (tok.valid_f * usable.float().unsqueeze(-1)).sum().double())
+        partials.add_sum(K.NUM_DENOMINATOR_TOKENS, (tok.valid_f * usable.float().unsqueeze(-1)).sum().double())
     else:
         outputs["denominator_mask"][start:stop] = keep
-        partials.add_sum("num_denominator_tokens", num_kept)
+        partials.add_sum(K.NUM_DENOMINATOR_TOKENS, num_kept)
     return partials, decisions
 
 

@@ -49,6 +49,31 @@ def validate_inputs(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: T
         raise ValueError(f"old_logprobs, rollout_logprobs and loss_mask must be on one device, got {devices}")
 
 
+def validate_advantages(advantages: Tensor | None, like: Tensor, required: bool) -> Tensor | None:
+    """`advantages` as detached float32 `[batch, seq]` (a `[batch]` vector is broadcast), or None.
+
+    Raises ValueError when `required` and missing, or for a shape that is neither `[batch]` nor
+    `like`'s `[batch, seq]`. Not required: ignored (None), so callers may always pass them.
+    """
+    if advantages is None:
+        if required:
+            raise ValueError("this rollout-correction config masks by advantage (opsm_threshold or "
+                             "dppo_tv_threshold is set): pass advantages= ([batch] or [batch, seq])")
+        return None
+    if not required:
+        return None
+    if not isinstance(advantages, Tensor):
+        raise ValueError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
+    if advantages.dim() == 1 and advantages.shape[0] == like.shape[0]:
+        advantages = advantages.unsqueeze(-1).expand(like.shape)
+    if advantages.shape != like.shape:
+        raise ValueError(f"advantages must be [batch] ({like.shape[0]}) or [batch, seq] {tuple(like.shape)}, "
+                         f"got shape {tuple(advantages.shape)}")
+    if advantages.device != like.device:
+        raise ValueError(f"advantages are on {advantages.device}, the logprobs on {like.device}")
+    return advantages.detach().float()
+
+
 class TokenChunk:
     """Token-level views of one row chunk `[rows, seq]`, computed lazily and at most once.
 
@@ -61,8 +86,11 @@ class TokenChunk:
     path instead (docs/design.md decision 4).
     """
 
-    def __init__(self, old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor) -> None:
+    def __init__(self, old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
+                 advantages: Tensor | None = None) -> None:
         self.loss = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
+        self.advantages = advantages
+        """`[rows, seq]` float32 advantages of the chunk (None when the caller gave none)."""
         self.numel = self.loss.numel()
         self.cache: dict[str, Tensor] = {}
         """Config-dependent token tensors shared by the two phases of one chunk."""
@@ -77,13 +105,43 @@ class TokenChunk:
             self.log_ratio = raw.mul_(self.valid_f)
             # A row dot product masks without materialising rollout * mask.
             self.row_sum_rollout = torch.linalg.vecdot(rollout, self.valid_f)
+            self._rollout = rollout
         else:
             finite = torch.isfinite(raw)
             self.valid = self.loss & finite
             self.valid_f = self.valid.float()
             self.nonfinite = self.loss & ~finite
             self.log_ratio = torch.where(self.valid, raw, 0.0)
-            self.row_sum_rollout = torch.where(self.valid, rollout, 0.0).sum(dim=-1)
+            self._rollout = torch.where(self.valid, rollout, 0.0)
+            self.row_sum_rollout = self._rollout.sum(dim=-1)
+
+    def write_rollout_logprobs(self, out: Tensor) -> Tensor:
+        """Write the float32 rollout logprobs, 0 on invalid tokens, into `out` (`[rows, seq]`); return it."""
+        if self.all_finite:
+            return torch.mul(self._rollout, self.valid_f, out=out)
+        return out.copy_(self._rollout)
+
+    @cached_property
+    def rollout_logprobs(self) -> Tensor:
+        """float32 rollout logprobs on valid tokens, 0 elsewhere (log-prob 0 = probability 1)."""
+        if self.all_finite:
+            return self._rollout * self.valid_f
+        return self._rollout
+
+    @cached_property
+    def train_logprobs(self) -> Tensor:
+        """float32 trainer logprobs (old_logprobs) on valid tokens, 0 elsewhere: rollout + log-ratio."""
+        return self.rollout_logprobs + self.log_ratio
+
+    @cached_property
+    def rollout_prob(self) -> Tensor:
+        """pi_rollout of the sampled token, exp(rollout_logprobs); 1 on invalid tokens."""
+        return torch.exp(self.rollout_logprobs)
+
+    @cached_property
+    def train_prob(self) -> Tensor:
+        """pi_train of the sampled token, exp(old_logprobs); 1 on invalid tokens."""
+        return torch.exp(self.train_logprobs)
 
     @cached_property
     def num_invalid(self) -> int:

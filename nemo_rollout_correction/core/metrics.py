@@ -16,10 +16,18 @@ import math
 import torch
 from torch import Tensor
 
+from nemo_rollout_correction.core import keys as K
 from nemo_rollout_correction.core.config import RejectionCriterion, RolloutCorrectionConfig
+from nemo_rollout_correction.core.frontier import (
+    dppo_tv_rejected,
+    frontier_token_rejected,
+    kpop_statistic,
+    opsm_negative_advantage,
+    opsm_sequence_kl,
+)
 from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
 from nemo_rollout_correction.core.rejection import sequence_statistic, statistic_bounds, token_statistic
-from nemo_rollout_correction.core.sequence_stats import bounded_one, token_is_weights, token_rs_rejected_any
+from nemo_rollout_correction.core.sequence_stats import bounded_one, token_is_weights, token_rs_rejected
 from nemo_rollout_correction.core.stats import LogHistogram, Partials
 
 PREFIX = "rollout_corr/"
@@ -27,6 +35,8 @@ QUANTILES: tuple[tuple[str, float], ...] = (("p1", 0.01), ("p10", 0.10), ("p50",
                                             ("p99", 0.99))
 
 _PPL_LOG_BOUND = 300.0
+_CONSTANT_RTOL = 1e-6
+_PROB_SHIFT = 0.5
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
 
@@ -124,21 +134,84 @@ def token_metric_partials(
         out.add_sum("is_high_count", _count(high & valid if needs_mask else high))
         out.add_sum("is_low_count", _count(low & valid if needs_mask else low))
         if cfg.metrics_only:  # the written weights are all 1: sum what would have been applied
-            out.add_sum("is_weight_kept_sum", torch.linalg.vecdot(valid_weights, keep.float()).sum().double())
+            out.add_sum(K.IS_WEIGHT_KEPT_SUM, torch.linalg.vecdot(valid_weights, keep.float()).sum().double())
         else:
-            out.add_sum("is_weight_kept_sum", kept_weights.sum().double())
-        out.add_sum("is_weight_kept_count", _count(keep))
+            out.add_sum(K.IS_WEIGHT_KEPT_SUM, kept_weights.sum().double())
+        out.add_sum(K.IS_WEIGHT_KEPT_COUNT, _count(keep))
 
     for criterion in cfg.rejection_criteria:
         if criterion.is_token_level:
             _token_criterion_partials(out, tok, criterion)
     if cfg.rejection_criteria:
         rejected = decisions["rs_any"].unsqueeze(-1)
-        token_rejected = token_rs_rejected_any(tok, cfg)
-        if token_rejected is not None:
+        for token_rejected in token_rs_rejected(tok, cfg).values():  # RS criteria only, not the frontier masks
             rejected = rejected | token_rejected
         out.add_sum("rs_rejected_tokens", _count(rejected & valid))
+    _frontier_token_partials(out, tok, cfg)
+    _prob_pearson_partials(out, tok, keep)
     return out
+
+
+def _frontier_token_partials(out: Partials, tok: TokenChunk, cfg: RolloutCorrectionConfig) -> None:
+    """KPop and DPPO-TV statistics of this rank's tokens."""
+    rejected = frontier_token_rejected(tok, cfg)
+    if cfg.kpop_threshold is not None:
+        stat = kpop_statistic(tok)
+        out.add_sum(K.KPOP_SUM, stat.sum().double())
+        extremes = _valid_extremes(tok, stat, 0.0)
+        if extremes is not None:
+            out.add_max(K.KPOP_MAX, extremes[0])
+        out.add_sum(K.KPOP_REJECTED_TOKENS, _count(rejected["kpop"]))
+    if cfg.dppo_tv_threshold is not None:
+        high, low = dppo_tv_rejected(tok, cfg)
+        diff = tok.train_prob - tok.rollout_prob  # 0 on invalid tokens
+        out.add_sum(K.DPPO_REJECTED_HIGH, _count(high))
+        out.add_sum(K.DPPO_REJECTED_LOW, _count(low))
+        out.add_sum(K.DPPO_REJECTED_TOKENS, _count(rejected["dppo_tv"]))
+        out.add_sum(K.DPPO_ABS_DIFF_SUM, diff.abs().sum().double())
+        extremes = _valid_extremes(tok, diff, 0.0)
+        if extremes is not None:
+            out.add_max(K.DPPO_DIFF_MAX, extremes[0])
+            out.add_min(K.DPPO_DIFF_MIN, extremes[1])
+
+
+def _prob_pearson_partials(out: Partials, tok: TokenChunk, keep: Tensor) -> None:
+    """Mergeable moments of (p_train, p_rollout) over kept tokens: n, sums, squares, cross products.
+
+    Pearson's r needs only these six sums, so it is exact across chunks, microbatches, DP and CP.
+    Hot path (every config), so: p and q go into one `[2, rows * seq]` float32 buffer, one exp
+    pass (of q; p reuses rho - 1), and the three second moments come from one 2 x 2 Gram matrix
+    (a BLAS product) and the two sums from one row reduction.
+    Sums are accumulated in float32 and widened (K.PROB_* hold sums of p - 1/2 and q - 1/2).
+    """
+    buf = torch.empty((2, *keep.shape), dtype=torch.float32, device=keep.device)
+    q = tok.write_rollout_logprobs(buf[1]).exp_()
+    # p = q * rho = q + q * (rho - 1), from the rho - 1 the sequence statistics already computed
+    # (one exp pass instead of two). rho is clamped at e^+-20: only a token with p or q below 2e-9
+    # is affected, by an amount far below the rounding of the sums.
+    torch.addcmul(q, q, tok.expm1, out=buf[0])
+    # Moments of p - 1/2 rather than p: r is shift-invariant, and centring the probabilities keeps
+    # the float32 sums far from the cancellation in S_pp = sum p^2 - (sum p)^2 / n (the same constant
+    # shift on every chunk and rank, so the partials still merge by addition).
+    buf.sub_(_PROB_SHIFT)
+    # Zero outside keep (masking, not subtracting the known value of invalid positions: padding
+    # would otherwise inflate the float32 sums and their rounding error).
+    if keep is tok.valid:
+        keep_f = tok.valid_f
+        count = torch.tensor(float(tok.numel - tok.num_invalid), dtype=torch.float64)
+    else:
+        keep_f = keep.float()
+        count = keep_f.sum().double()
+    buf.mul_(keep_f)
+    flat = buf.view(2, -1)
+    sums = flat.sum(dim=1).double()
+    gram = (flat @ flat.T).double()
+    out.add_sum(K.PROB_N, count)
+    out.add_sum(K.PROB_SUM_TRAIN, sums[0])
+    out.add_sum(K.PROB_SUM_ROLLOUT, sums[1])
+    out.add_sum(K.PROB_SUM_TRAIN_SQ, gram[0, 0])
+    out.add_sum(K.PROB_SUM_ROLLOUT_SQ, gram[1, 1])
+    out.add_sum(K.PROB_SUM_CROSS, gram[0, 1])
 
 
 def _token_criterion_partials(out: Partials, tok: TokenChunk, criterion: RejectionCriterion) -> None:
@@ -175,11 +248,11 @@ def sequence_metric_partials(seq: Partials, cfg: RolloutCorrectionConfig, decisi
     has = num_tokens > 0
     n = num_tokens.clamp(min=1.0)
 
-    out.add_sum("num_valid_tokens", num_tokens.sum())
-    out.add_sum("num_valid_seqs", _count(has))
-    out.add_sum("num_nonfinite_tokens", seq.sums["num_nonfinite"].sum())
+    out.add_sum(K.NUM_VALID_TOKENS, num_tokens.sum())
+    out.add_sum(K.NUM_VALID_SEQS, _count(has))
+    out.add_sum(K.NUM_NONFINITE_TOKENS, seq.sums["num_nonfinite"].sum())
     out.add_sum("num_nonfinite_seqs", _count(seq.sums["num_nonfinite"] > 0))
-    out.add_sum("num_kept_seqs", _count(decisions["keep"]))
+    out.add_sum(K.NUM_KEPT_SEQS, _count(decisions["keep"]))
     if "veto" in decisions:
         out.add_sum("num_vetoed_seqs", _count(decisions["veto"]))
 
@@ -217,6 +290,14 @@ def sequence_metric_partials(seq: Partials, cfg: RolloutCorrectionConfig, decisi
         rs_seq_rejected = rs_seq_rejected | rejected
     if cfg.rejection_criteria:
         out.add_sum("rs_rejected_seqs", _count(rs_seq_rejected & has))
+    if cfg.opsm_threshold is not None:
+        rejected = decisions["opsm"]
+        seq_kl = opsm_sequence_kl(seq)
+        out.add_sum(K.OPSM_REJECTED_SEQS, _count(rejected))
+        out.add_sum(K.OPSM_REJECTED_TOKENS, (num_tokens * rejected).sum())
+        out.add_sum(K.OPSM_NEGATIVE_SEQS, _count(opsm_negative_advantage(seq) & has))
+        out.add_sum(K.OPSM_SEQ_KL_SUM, _masked_sum(seq_kl, has))
+        out.add_max(K.OPSM_SEQ_KL_MAX, _masked_max(seq_kl, has))
     return out
 
 
@@ -254,8 +335,8 @@ def _sequence_is_partials(out: Partials, seq: Partials, cfg: RolloutCorrectionCo
     if "is_rejected" in decisions:
         out.add_sum("is_rejected_tokens", (num_tokens * decisions["is_rejected"]).sum())
     kept = decisions["keep"]
-    out.add_sum("is_weight_kept_sum", _masked_sum(weight, kept))
-    out.add_sum("is_weight_kept_count", _count(kept))
+    out.add_sum(K.IS_WEIGHT_KEPT_SUM, _masked_sum(weight, kept))
+    out.add_sum(K.IS_WEIGHT_KEPT_COUNT, _count(kept))
 
 
 def _criterion_sequence_partials(out: Partials, seq: Partials, criterion: RejectionCriterion,
@@ -308,14 +389,14 @@ def finalize_metrics(partials: Partials, cfg: RolloutCorrectionConfig) -> dict[s
     """Turn (reduced) partials into `rollout_corr/<name>` floats; never NaN, 0.0 when undefined."""
     f = _Finalizer(partials)
     m: dict[str, float] = {}
-    num_tokens, num_seqs = f.sum("num_valid_tokens"), f.sum("num_valid_seqs")
-    num_nonfinite = f.sum("num_nonfinite_tokens")
+    num_tokens, num_seqs = f.sum(K.NUM_VALID_TOKENS), f.sum(K.NUM_VALID_SEQS)
+    num_nonfinite = f.sum(K.NUM_NONFINITE_TOKENS)
 
     m["num_valid_tokens"] = num_tokens
     m["num_valid_seqs"] = num_seqs
-    m["num_kept_tokens"] = f.sum("num_kept_tokens")
-    m["num_kept_seqs"] = f.sum("num_kept_seqs")
-    m["num_denominator_tokens"] = f.sum("num_denominator_tokens")
+    m["num_kept_tokens"] = f.sum(K.NUM_KEPT_TOKENS)
+    m["num_kept_seqs"] = f.sum(K.NUM_KEPT_SEQS)
+    m["num_denominator_tokens"] = f.sum(K.NUM_DENOMINATOR_TOKENS)
     m["kept_token_fraction"] = _div(m["num_kept_tokens"], num_tokens)
     m["nonfinite_token_count"] = num_nonfinite
     m["nonfinite_seq_count"] = f.sum("num_nonfinite_seqs")
@@ -350,7 +431,50 @@ def finalize_metrics(partials: Partials, cfg: RolloutCorrectionConfig) -> dict[s
             _finalize_criterion(m, f, criterion, num_tokens, num_seqs)
         m["rollout_rs_masked_fraction"] = _div(f.sum("rs_rejected_tokens"), num_tokens)
         m["rollout_rs_seq_masked_fraction"] = _div(f.sum("rs_rejected_seqs"), num_seqs)
+    _finalize_frontier(m, f, cfg, num_tokens, num_seqs)
+    m["prob_pearson"] = prob_pearson(f.sum(K.PROB_N), f.sum(K.PROB_SUM_TRAIN), f.sum(K.PROB_SUM_ROLLOUT),
+                                     f.sum(K.PROB_SUM_TRAIN_SQ), f.sum(K.PROB_SUM_ROLLOUT_SQ),
+                                     f.sum(K.PROB_SUM_CROSS))
     return {PREFIX + key: float(value) for key, value in m.items()}
+
+
+def _finalize_frontier(m: dict[str, float], f: _Finalizer, cfg: RolloutCorrectionConfig, num_tokens: float,
+                       num_seqs: float) -> None:
+    if cfg.opsm_threshold is not None:
+        m["opsm_seq_masked_fraction"] = _div(f.sum(K.OPSM_REJECTED_SEQS), num_seqs)
+        m["opsm_masked_fraction"] = _div(f.sum(K.OPSM_REJECTED_TOKENS), num_tokens)
+        m["opsm_negative_advantage_seq_fraction"] = _div(f.sum(K.OPSM_NEGATIVE_SEQS), num_seqs)
+        m["opsm_seq_kl_mean"] = _div(f.sum(K.OPSM_SEQ_KL_SUM), num_seqs)
+        m["opsm_seq_kl_max"] = f.max(K.OPSM_SEQ_KL_MAX)
+    if cfg.kpop_threshold is not None:
+        m["kpop_masked_fraction"] = _div(f.sum(K.KPOP_REJECTED_TOKENS), num_tokens)
+        m["kpop_binary_kl_mean"] = _div(f.sum(K.KPOP_SUM), num_tokens)
+        m["kpop_binary_kl_max"] = f.max(K.KPOP_MAX)
+    if cfg.dppo_tv_threshold is not None:
+        m["dppo_tv_masked_fraction"] = _div(f.sum(K.DPPO_REJECTED_TOKENS), num_tokens)
+        m["dppo_tv_masked_fraction_high"] = _div(f.sum(K.DPPO_REJECTED_HIGH), num_tokens)
+        m["dppo_tv_masked_fraction_low"] = _div(f.sum(K.DPPO_REJECTED_LOW), num_tokens)
+        m["dppo_tv_prob_diff_abs_mean"] = _div(f.sum(K.DPPO_ABS_DIFF_SUM), num_tokens)
+        m["dppo_tv_prob_diff_max"] = f.max(K.DPPO_DIFF_MAX)
+        m["dppo_tv_prob_diff_min"] = f.min(K.DPPO_DIFF_MIN)
+
+
+def prob_pearson(n: float, sum_p: float, sum_q: float, sum_pp: float, sum_qq: float, sum_pq: float) -> float:
+    """Pearson's r of (p, q) from its mergeable sums; 0.0 when undefined (n < 2 or a constant side).
+
+    Centred second moments from raw sums: S_pq = sum pq - sum p * sum q / n (in float64, from sums
+    accumulated in float32). A variance below 1e-6 of the raw sum of squares is within the float32
+    rounding of a constant side, where r is undefined.
+    """
+    if n < 2:
+        return 0.0
+    s_pq = sum_pq - sum_p * sum_q / n
+    s_pp = sum_pp - sum_p * sum_p / n
+    s_qq = sum_qq - sum_q * sum_q / n
+    # A centred sum of squares within float32 accumulation error of the raw one: a constant side.
+    if s_pp <= _CONSTANT_RTOL * sum_pp or s_qq <= _CONSTANT_RTOL * sum_qq:
+        return 0.0
+    return max(-1.0, min(1.0, s_pq / math.sqrt(s_pp * s_qq)))
 
 
 def _finalize_is(m: dict[str, float], f: _Finalizer, partials: Partials, cfg: RolloutCorrectionConfig,
@@ -382,8 +506,8 @@ def _finalize_is(m: dict[str, float], f: _Finalizer, partials: Partials, cfg: Ro
     if cfg.rollout_is_mode == "mask":
         m["rollout_is_masked_fraction"] = _div(f.sum("is_rejected_tokens"), num_tokens)
         m["rollout_is_oob_ratio"] = m["rollout_is_masked_fraction"]
-    if "batch_norm_factor" in partials.maxs:
-        m["rollout_is_batch_norm_factor"] = f.max("batch_norm_factor")
+    if K.BATCH_NORM_FACTOR in partials.maxs:
+        m["rollout_is_batch_norm_factor"] = f.max(K.BATCH_NORM_FACTOR)
 
     raw_hist = partials.sums.get("hist:token_log_ratio" if token_level else "hist:is_raw_log_weight")
     raw = _hist_quantiles(raw_hist)

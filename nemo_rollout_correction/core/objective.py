@@ -66,7 +66,7 @@ def rollout_corrected_policy_loss(
         # pi_old is pi_rollout: judge and weight the current policy against the rollout.
         reference = rollout_logprobs
         correction = compute_rollout_correction(logprobs.detach(), rollout_logprobs, loss_mask, rc_cfg,
-                                                is_weight_mean=is_weight_mean)
+                                                is_weight_mean=is_weight_mean, advantages=advantages)
         if rc_cfg.loss_type == "reinforce":
             loss_cfg = replace(loss_cfg, loss_type="reinforce", clip_ratio_c=None)
     else:
@@ -75,7 +75,7 @@ def rollout_corrected_policy_loss(
                              "logprobs of the rollout tokens; set bypass_mode=true to skip that pass")
         reference = old_logprobs
         correction = compute_rollout_correction(old_logprobs, rollout_logprobs, loss_mask, rc_cfg,
-                                                is_weight_mean=is_weight_mean)
+                                                is_weight_mean=is_weight_mean, advantages=advantages)
 
     # Where no IS applies the weights are exactly 1 on kept tokens, so passing them is a no-op.
     is_weights = correction.is_weights if rc_cfg.rollout_is is not None and not rc_cfg.metrics_only else None

@@ -121,6 +121,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout_is_threshold": 1.001,
         "rollout_is_threshold_lower": 0.999,
     },
+    # -- the 2025-26 masks (docs/math.md, "Frontier masks"); each keeps the default veto ---------
+    # OPSM with slime's default delta (--opsm-delta 1e-4); TRL suggests 0.5 as a looser start.
+    "opsm": {"opsm_threshold": 1e-4},
+    # KPop with AReaL's example threshold (examples/math/gsm8k_kpop.yaml: upper 2.0).
+    "kpop": {"kpop_threshold": 2.0},
+    # DPPO-TV with prime-rl's defaults (dppo_mask_high = dppo_mask_low = 0.2).
+    "dppo_tv": {"dppo_tv_threshold": 0.2, "dppo_tv_threshold_low": 0.2},
 }
 
 # Seed names that mean exactly one of the presets above.

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
+from nemo_rollout_correction.core.frontier import add_sequence_advantage, frontier_token_rejected
 from nemo_rollout_correction.core.masking import TokenChunk
 from nemo_rollout_correction.core.rejection import token_rejected
 from nemo_rollout_correction.core.stats import Partials
@@ -58,14 +59,17 @@ def token_rs_rejected(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> dict[str
 
 
 def token_rs_rejected_any(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Tensor | None:
-    """Valid tokens rejected by any token-level criterion `[rows, seq]` (cached); None without any.
+    """Valid tokens rejected by any token-level rejection `[rows, seq]` (cached); None without any.
+
+    The union of the token RS criteria and the token-level frontier masks (KPop, DPPO-TV): every
+    rejection except token IS masking, which the callers combine themselves.
 
     Both phases call this: phase 2 may run on a fresh chunk view (context parallelism), so it
     must never rely on phase 1 having filled the cache.
     """
     if "rs_rejected_any" not in tok.cache:
         any_rejected: Tensor | None = None
-        for mask in token_rs_rejected(tok, cfg).values():
+        for mask in (*token_rs_rejected(tok, cfg).values(), *frontier_token_rejected(tok, cfg).values()):
             any_rejected = mask if any_rejected is None else any_rejected | mask
         if any_rejected is None:
             return None
@@ -137,6 +141,7 @@ def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Pa
         if in_bounds is not None:
             seq.sums["num_is_rejected"] = _row_sum(tok.valid & ~in_bounds)
 
+    add_sequence_advantage(seq, tok, cfg)
     for name, mask in token_rs_rejected(tok, cfg).items():
         seq.sums[f"num_rs_rejected:{name}"] = _row_sum(mask)
     any_rejected = token_rs_rejected_any(tok, cfg)

@@ -83,9 +83,15 @@ class Partials:
         )
 
     def get_sum(self, name: str) -> float:
-        """A scalar SUM statistic as a Python float (0.0 when absent)."""
+        """A scalar SUM statistic as a Python float; KeyError naming the present ones when absent.
+
+        Absent is an error, not 0.0: a misspelt denominator key must not silently zero a loss.
+        Use `name in partials.sums` for a statistic that a configuration may not produce.
+        """
         value = self.sums.get(name)
-        return 0.0 if value is None else float(value)
+        if value is None:
+            raise KeyError(f"no SUM partial {name!r}; present: {sorted(self.sums)}")
+        return float(value)
 
 
 class LogHistogram:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from nemo_rollout_correction.core import keys as K
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import (
     CHUNK_ELEMENTS,
@@ -48,9 +49,9 @@ from nemo_rollout_correction.core.correction import (
     local_is_weight_mean,
     sequence_partials,
 )
-from nemo_rollout_correction.core.masking import TokenChunk
+from nemo_rollout_correction.core.masking import TokenChunk, validate_advantages
 from nemo_rollout_correction.core.metrics import finalize_metrics
-from nemo_rollout_correction.core.sequence_stats import token_is_weights, token_rs_rejected
+from nemo_rollout_correction.core.sequence_stats import token_is_weights, token_rs_rejected_any
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.core.weights import normalize_is_weights_
 from nemo_rollout_correction.distributed.context_parallel import gather_sequence_partials
@@ -59,7 +60,7 @@ from nemo_rollout_correction.distributed.reduce import ExtremesMode, PartialsSch
 
 NUM_DENOMINATOR_SEQS = "dist/num_denominator_seqs"
 """SUM partial: sequences with at least one denominator token, each counted on one CP rank."""
-BATCH_NORM_FACTOR = "batch_norm_factor"
+BATCH_NORM_FACTOR = K.BATCH_NORM_FACTOR
 """MAX partial (core's name): the global mean the IS weights were divided by."""
 _SURVIVORS = "dist/num_survivors"
 """Extra CP row: valid tokens of a sequence that no token-level rejection removed, per rank."""
@@ -150,7 +151,8 @@ def _core_schema(core_cfg: RolloutCorrectionConfig) -> PartialsSchema:
     old = torch.tensor([[-1.0, -2.0, -0.5]])
     rollout = torch.tensor([[-1.1, -1.9, -0.5]])
     mask = torch.tensor([[True, True, False]])
-    return PartialsSchema.of(compute_rollout_correction(old, rollout, mask, core_cfg).partials)
+    advantages = torch.tensor([-1.0])  # probed whether or not the config reads advantages
+    return PartialsSchema.of(compute_rollout_correction(old, rollout, mask, core_cfg, advantages=advantages).partials)
 
 
 def metric_schema(cfg: RolloutCorrectionConfig) -> PartialsSchema:
@@ -169,6 +171,7 @@ def distributed_rollout_correction(
     groups: ParallelGroups,
     *,
     is_weight_mean: float | None = None,
+    advantages: Tensor | None = None,
 ) -> MicrobatchCorrection:
     """Rollout correction of one microbatch on this rank's CP shard of its sequences.
 
@@ -179,22 +182,26 @@ def distributed_rollout_correction(
         microbatch (same batch rows).
     is_weight_mean: for `rollout_is_batch_normalize`, the step's global mean if already known;
         None leaves the weights for `reduce_step` to normalise.
+    advantages: `[batch, local_seq]` (this rank's shard, like the logprobs) or `[batch]`; required
+        when `cfg.needs_advantages` (OPSM, DPPO-TV). OPSM's per-sequence advantage sum travels in
+        the same CP all-gather as the other per-sequence partials.
 
     Collectives: one all-gather over the CP group when cp_size > 1, none otherwise.
     """
     core_cfg = core_config(cfg)
     survivors: Tensor | None = None
     if groups.cp_size > 1:
-        local_seq = sequence_partials(old_logprobs, rollout_logprobs, loss_mask, core_cfg)
-        extra = {_SURVIVORS: _local_survivors(local_seq, old_logprobs, rollout_logprobs, loss_mask, core_cfg)}
+        local_seq = sequence_partials(old_logprobs, rollout_logprobs, loss_mask, core_cfg, advantages=advantages)
+        extra = {_SURVIVORS: _local_survivors(local_seq, old_logprobs, rollout_logprobs, loss_mask, core_cfg,
+                                              advantages)}
         gathered = gather_sequence_partials(local_seq, groups, extra)
         survivors = gathered.per_rank[_SURVIVORS]  # [cp, batch]
         valid = gathered.per_rank["num_tokens"]
         out = finish_correction(old_logprobs, rollout_logprobs, loss_mask, core_cfg, gathered.reduced,
-                                owns_sequences=groups.cp_rank == 0)
+                                owns_sequences=groups.cp_rank == 0, advantages=advantages)
     else:
         # Whole sequences on this rank: core's one-call path (both phases per chunk, cache-hot).
-        out = compute_rollout_correction(old_logprobs, rollout_logprobs, loss_mask, core_cfg)
+        out = compute_rollout_correction(old_logprobs, rollout_logprobs, loss_mask, core_cfg, advantages=advantages)
     out.metrics = {}
 
     keeps_any = out.keep_mask.any(dim=-1)
@@ -223,7 +230,7 @@ def distributed_rollout_correction(
 
 
 def _local_survivors(seq: Partials, old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
-                     cfg: RolloutCorrectionConfig) -> Tensor:
+                     cfg: RolloutCorrectionConfig, advantages: Tensor | None) -> Tensor:
     """Per sequence `[batch]`: valid tokens of this rank that no token-level rejection removes.
 
     From phase 1's counts where one kind of token rejection is active; when token IS masking and
@@ -236,7 +243,7 @@ def _local_survivors(seq: Partials, old_logprobs: Tensor, rollout_logprobs: Tens
     is_rejected = seq.sums.get("num_is_rejected")
     rs_rejected = seq.sums.get("num_rs_token_rejected")
     if is_rejected is not None and rs_rejected is not None:
-        return _count_survivors(old_logprobs, rollout_logprobs, loss_mask, cfg)
+        return _count_survivors(old_logprobs, rollout_logprobs, loss_mask, cfg, advantages)
     if is_rejected is not None:
         return valid - is_rejected
     if rs_rejected is not None:
@@ -245,17 +252,19 @@ def _local_survivors(seq: Partials, old_logprobs: Tensor, rollout_logprobs: Tens
 
 
 def _count_survivors(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
-                     cfg: RolloutCorrectionConfig) -> Tensor:
+                     cfg: RolloutCorrectionConfig, advantages: Tensor | None) -> Tensor:
     batch, seq_len = old_logprobs.shape
     rows = max(1, CHUNK_ELEMENTS // max(seq_len, 1))
+    adv = validate_advantages(advantages, old_logprobs, cfg.needs_advantages)
     counts = []
     for start in range(0, batch, rows):
         stop = min(start + rows, batch)
         tok = TokenChunk(old_logprobs[start:stop].detach(), rollout_logprobs[start:stop].detach(),
-                         loss_mask[start:stop])
+                         loss_mask[start:stop], None if adv is None else adv[start:stop])
         _, in_bounds = token_is_weights(tok, cfg)
         kept = tok.valid if in_bounds is None else tok.valid & in_bounds
-        for rejected in token_rs_rejected(tok, cfg).values():
+        rejected = token_rs_rejected_any(tok, cfg)  # RS criteria and the token-level frontier masks
+        if rejected is not None:
             kept = kept & ~rejected
         counts.append(kept.sum(dim=-1).to(torch.float64))
     return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.float64)
@@ -321,7 +330,7 @@ def reduce_step(
     return StepReduction(
         partials=reduced,
         metrics=finalize_metrics(reduced, cfg),
-        num_global_tokens=reduced.get_sum("num_denominator_tokens"),
+        num_global_tokens=reduced.get_sum(K.NUM_DENOMINATOR_TOKENS),
         num_global_seqs=reduced.get_sum(NUM_DENOMINATOR_SEQS),
         is_weight_mean=mean,
     )
@@ -359,14 +368,14 @@ def _complete_batch_norm(reduced: Partials) -> float:
 
 
 def _check_nonfinite(reduced: Partials, cfg: RolloutCorrectionConfig) -> None:
-    bad = reduced.get_sum("num_nonfinite_tokens")
+    bad = reduced.get_sum(K.NUM_NONFINITE_TOKENS)
     if cfg.nonfinite_policy == "raise" and bad > 0:
         raise ValueError(
             f"{int(bad)} non-finite logprob(s) on loss tokens in this step (over all dp x cp ranks) with "
             "nonfinite_policy='raise'; use 'mask_token' or 'reject_sequence' to train through them"
         )
     limit = cfg.nonfinite_max_fraction
-    total = bad + reduced.get_sum("num_valid_tokens")
+    total = bad + reduced.get_sum(K.NUM_VALID_TOKENS)
     if limit is not None and total > 0 and bad / total > limit:
         raise ValueError(
             f"{bad / total:.4%} of the step's loss tokens have non-finite logprobs ({int(bad)} of {int(total)}, "

@@ -15,6 +15,13 @@ conventions exist across NeMo-RL versions, and `NeMoRLRolloutCorrectedLoss.__cal
 Logits may be TP-sharded over the vocabulary (`[batch, seq, V / tp]`); the logprobs of the sampled
 tokens come from `distributed.vocab_parallel_logprobs` over the TP group (fp32, exact gradient).
 
+Process groups are taken at construction (`groups=`): NeMo-RL's current dispatch passes only
+`logits=`, no TP group, so a TP > 1 worker must construct the adapter with its TP group. DTensor
+logits (NeMo-RL's DTensor worker at TP > 1) carry their own mesh: a vocabulary-sharded DTensor is
+computed on its local shard over the mesh dimension's group (`distributed.dtensor`); any other
+placement raises a ValueError naming it. Plain-tensor logits narrower than `vocab_size` with no TP
+group raise instead of silently normalising over a vocabulary shard.
+
 Field mapping (NeMo-RL's `BatchedDataDict` keys are `[batch, seq]` over the whole token sequence;
 position t of the logits predicts token t + 1, so every per-token key is read from position 1 on):
 
@@ -33,12 +40,28 @@ sequences that rollout correction rejects stay in the denominator: NeMo-RL's con
 denominator) run the pre-pass of `RolloutCorrectedPolicyLoss` (`correct` + `prepare_step`) and
 hand the result to `set_step_denominators`; it then overrides NeMo-RL's counts until cleared.
 
+NeMo-RL's split train path (Megatron worker `train_step` / `finish_train_step`) calls the loss with
+placeholder `global_valid_* = 1` and divides the summed gradient by its own global mask counts N
+after the step. With `set_step_denominators` our loss already divides by our counts, so construct
+the adapter with `split_train_path=True` and pass NeMo-RL's step counts as `worker_denominators`:
+the returned loss is then `loss_sum / N_ours * N_worker`, and after NeMo-RL's division the gradient
+is divided exactly once, by N_ours. A placeholder call while an override is set and the flag is off
+raises instead of normalising twice.
+
+Exact NeMo-RL parity (`rejected_tokens_in_denominator=True`): NeMo-RL's `SEQUENCE_LEVEL` loss averages
+each sequence over all its `token_mask` tokens, including those a mask rejects
+(`loss_functions.py`, masked_mean over token_mask per sequence). The adapter then divides each
+sequence by its denominator tokens (finite loss tokens of a usable sequence) instead of its kept
+tokens, which reproduces NeMo-RL's loss and gradient (up to NeMo-RL's `+ 1e-8` in masked_mean).
+`RolloutCorrectedPolicyLoss` itself keeps dividing by kept tokens.
+
 Context parallelism is not handled by this adapter (NeMo-RL gathers CP logits itself in its
 LOGPROB path); use `RolloutCorrectedPolicyLoss` or the Megatron adapter for CP shards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -47,7 +70,8 @@ from torch import Tensor
 
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
-from nemo_rollout_correction.distributed.correction import reduce_step_metrics
+from nemo_rollout_correction.distributed.correction import MicrobatchCorrection, reduce_step_metrics
+from nemo_rollout_correction.distributed.dtensor import vocab_shard_of
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.vocab_parallel import vocab_parallel_logprobs
 from nemo_rollout_correction.losses.rollout_corrected_pg import (
@@ -131,10 +155,13 @@ class NeMoRLRolloutCorrectedLoss:
     rc_cfg, loss_cfg: as `RolloutCorrectedPolicyLoss`; `loss_cfg.loss_agg_mode` must be
         `token-mean` (NeMo-RL `TOKEN_LEVEL`) or `seq-mean-token-mean` (`SEQUENCE_LEVEL`), the two
         reductions NeMo-RL's denominators describe.
-    groups: this rank's groups (TP for the vocab-parallel logprob, CP must be 1, dp x cp for
-        `reduce_metrics`); default one process. A `vocab_parallel_group` passed by NeMo-RL at call
-        time takes precedence for the logprob.
+    groups: this rank's groups, taken here because NeMo-RL's current dispatch passes none (TP for
+        the vocab-parallel logprob, CP must be 1, dp x cp for `reduce_metrics`); default one
+        process. A `vocab_parallel_group` passed by an older NeMo-RL worker at call time, or the
+        mesh group of DTensor logits, takes precedence for the logprob.
     temperature, top_k, top_p, vocab_size: vLLM's sampler to replay on the logits.
+    split_train_path: NeMo-RL's split train API divides the gradient by its own global count after
+        the step (see the module doc); needs `worker_denominators` with `set_step_denominators`.
 
     Attributes NeMo-RL reads: `loss_type`, `input_type`. After each call the microbatch's
     `MicrobatchLoss` is kept in `step_losses` for `reduce_metrics` (call `clear_step` per step).
@@ -142,7 +169,7 @@ class NeMoRLRolloutCorrectedLoss:
 
     def __init__(self, rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig | None = None, *,
                  groups: ParallelGroups | None = None, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, vocab_size: int | None = None) -> None:
+                 top_p: float | None = None, vocab_size: int | None = None, split_train_path: bool = False) -> None:
         self.loss = RolloutCorrectedPolicyLoss(rc_cfg, loss_cfg)
         if self.loss.agg_mode not in ("token-mean", "seq-mean-token-mean"):
             raise ValueError(f"loss_agg_mode {self.loss.agg_mode!r} has no NeMo-RL equivalent: use 'token-mean' "
@@ -156,17 +183,30 @@ class NeMoRLRolloutCorrectedLoss:
                           else loss_type_enum.SEQUENCE_LEVEL)
         self.input_type = input_type_enum.LOGIT
         self.temperature, self.top_k, self.top_p, self.vocab_size = temperature, top_k, top_p, vocab_size
+        self.split_train_path = split_train_path
         self.step_denominators: StepDenominators | None = None
+        self.worker_denominators: StepDenominators | None = None
         self.step_losses: list[MicrobatchLoss] = []
 
-    def set_step_denominators(self, denominators: StepDenominators | None) -> None:
-        """Use these post-rejection counts instead of NeMo-RL's `global_valid_*` (None: back to NeMo-RL's)."""
+    def set_step_denominators(self, denominators: StepDenominators | None, *,
+                              worker_denominators: StepDenominators | None = None) -> None:
+        """Use these post-rejection counts instead of NeMo-RL's `global_valid_*` (None: back to NeMo-RL's).
+
+        worker_denominators: with `split_train_path`, NeMo-RL's own global counts of the step
+        (`global_valid_toks` / `global_valid_seqs`, the N it divides the gradient by afterwards).
+        """
+        if denominators is not None and self.split_train_path and worker_denominators is None:
+            raise ValueError("split_train_path=True: NeMo-RL divides the gradient by its own global count after the "
+                             "step, so pass worker_denominators= (its global_valid_toks / global_valid_seqs) to "
+                             "cancel it, or construct the adapter with split_train_path=False")
         self.step_denominators = denominators
+        self.worker_denominators = worker_denominators if denominators is not None else None
 
     def clear_step(self) -> None:
         """Forget the kept microbatch results and the denominator override (start of a step)."""
         self.step_losses = []
         self.step_denominators = None
+        self.worker_denominators = None
 
     def reduce_metrics(self) -> dict[str, float]:
         """The step's `rollout_corr/<name>` metrics over dp x cp (one fused all-reduce; every rank calls)."""
@@ -209,21 +249,33 @@ class NeMoRLRolloutCorrectedLoss:
         if next_token_logprobs is not None:
             logprobs = next_token_logprobs.float()
         elif logits is not None:
-            tp_group = vocab_parallel_group if vocab_parallel_group is not None else self.groups.tp_group
-            logprobs = vocab_parallel_logprobs(logits[:, :-1], inputs["target_ids"], tp_group,
-                                               vocab_size=self.vocab_size, temperature=self.temperature,
-                                               top_k=self.top_k, top_p=self.top_p)
+            logprobs = self._logprobs(logits, inputs["target_ids"], vocab_parallel_group)
         else:
             raise ValueError("pass next_token_logits / logits ([batch, seq, V / tp]) or next_token_logprobs")
 
         denominators = self.step_denominators
+        scale = 1.0
         if denominators is None:
             denominators = StepDenominators(
                 num_global_tokens=_as_float(global_valid_toks, "global_valid_toks"),
                 num_global_seqs=_as_float(global_valid_seqs, "global_valid_seqs"),
             )
+        elif self.split_train_path:
+            assert self.worker_denominators is not None  # set_step_denominators enforces it
+            worker = self.worker_denominators
+            scale = worker.num_global_tokens if self.loss.counts_tokens else worker.num_global_seqs
+        elif _is_placeholder(global_valid_toks) and _is_placeholder(global_valid_seqs):
+            ours = denominators.num_global_tokens if self.loss.counts_tokens else denominators.num_global_seqs
+            if ours > 1:
+                raise ValueError("called with placeholder global_valid_* = 1 (NeMo-RL's split train path, which "
+                                 "divides the gradient by its own count after the step) while set_step_denominators "
+                                 "is active: that would normalise twice; construct the adapter with "
+                                 "split_train_path=True and pass worker_denominators")
+        correction = self._nemo_rl_correction(logprobs, inputs, denominators)
         result = self.loss(logprobs, inputs["rollout_logprobs"], inputs["advantages"], inputs["loss_mask"],
-                           self.groups, denominators, old_logprobs=inputs.get("old_logprobs"))
+                           self.groups, denominators, old_logprobs=inputs.get("old_logprobs"), correction=correction)
+        if scale != 1.0:
+            result.loss = result.loss * scale
         self.step_losses.append(result)
         metrics: dict[str, Any] = {
             "loss": float(result.loss.detach()),
@@ -232,6 +284,47 @@ class NeMoRLRolloutCorrectedLoss:
             "num_valid_samples": float(inputs["loss_mask"].any(dim=-1).sum()),
         }
         return result.loss, metrics
+
+
+    def _logprobs(self, logits: Tensor, target_ids: Tensor, vocab_parallel_group: ProcessGroup | None) -> Tensor:
+        """Sampled-token logprobs `[batch, seq - 1]` from plain or DTensor logits `[batch, seq, V / tp]`."""
+        shard = vocab_shard_of(logits)
+        tp_group = shard.group
+        if tp_group is None:
+            tp_group = vocab_parallel_group if vocab_parallel_group is not None else self.groups.tp_group
+        local = shard.logits
+        if (shard.group is None and vocab_parallel_group is None and self.groups.tp_size == 1
+                and self.vocab_size is not None and local.shape[-1] < self.vocab_size):
+            raise ValueError(f"logits hold {local.shape[-1]} vocabulary columns, fewer than vocab_size="
+                             f"{self.vocab_size}, but the adapter has no TP group: NeMo-RL passes none at call "
+                             "time, so construct it with groups= carrying the worker's TP group")
+        return vocab_parallel_logprobs(local[:, :-1], target_ids, tp_group, vocab_start=shard.vocab_start,
+                                       vocab_size=self.vocab_size, temperature=self.temperature, top_k=self.top_k,
+                                       top_p=self.top_p)
+
+    def _nemo_rl_correction(self, logprobs: Tensor, inputs: dict[str, Tensor],
+                            denominators: StepDenominators) -> MicrobatchCorrection | None:
+        """The correction, with NeMo-RL's per-sequence divisor where it differs from ours (else None).
+
+        With `rejected_tokens_in_denominator` and `seq-mean-token-mean`, NeMo-RL divides each sequence by
+        all its mask tokens, rejected ones included: here the denominator tokens of the sequence (this
+        adapter holds whole sequences, cp = 1).
+        """
+        cfg = self.loss.rc_cfg
+        if not (cfg.rejected_tokens_in_denominator and self.loss.agg_mode == "seq-mean-token-mean"):
+            return None
+        if cfg.rollout_is_batch_normalize and denominators.is_weight_mean is None:
+            return None  # the loss raises its own error about the missing global mean
+        judged = logprobs.detach() if cfg.bypass_mode else inputs["old_logprobs"]
+        correction = self.loss.correct(judged, inputs["rollout_logprobs"], inputs["loss_mask"], self.groups,
+                                       is_weight_mean=denominators.is_weight_mean, advantages=inputs["advantages"])
+        per_seq = correction.denominator_mask.sum(dim=-1).to(correction.seq_kept_tokens.dtype)
+        return dataclasses.replace(correction, seq_kept_tokens=per_seq)
+
+
+def _is_placeholder(value: Tensor | float | None) -> bool:
+    """NeMo-RL's split train path passes global_valid_* = 1.0 placeholders."""
+    return value is not None and _as_float(value, "global_valid_*") == 1.0
 
 
 def _as_float(value: Tensor | float | None, name: str) -> float:

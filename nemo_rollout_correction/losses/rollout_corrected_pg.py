@@ -119,13 +119,15 @@ def rejection_is_predictable(cfg: RolloutCorrectionConfig) -> bool:
     """Whether the loss denominator depends on the rollout logprobs and loss mask alone.
 
     True when no rejection by the policy ratio can remove a token from the denominator: no RS
-    criterion, no veto and no masking IS, or `rejected_tokens_in_denominator=True`. Then
+    criterion, no veto, no masking IS and no OPSM / KPop / DPPO-TV mask, or
+    `rejected_tokens_in_denominator=True`. Then
     `rollout_only_denominators` is exact in bypass mode too.
     """
     if cfg.rejected_tokens_in_denominator or cfg.metrics_only:
         return True
     masking_is = cfg.rollout_is is not None and cfg.rollout_is_mode == "mask"
-    return not (cfg.rejection_criteria or cfg.rollout_token_veto_threshold is not None or masking_is)
+    frontier = cfg.opsm_threshold is not None or cfg.kpop_threshold is not None or cfg.dppo_tv_threshold is not None
+    return not (cfg.rejection_criteria or cfg.rollout_token_veto_threshold is not None or masking_is or frontier)
 
 
 class RolloutCorrectedPolicyLoss:
@@ -164,16 +166,20 @@ class RolloutCorrectedPolicyLoss:
     # ---- the step-level pre-pass ---------------------------------------------------------------
 
     def correct(self, reference_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
-                groups: ParallelGroups, *, is_weight_mean: float | None = None) -> MicrobatchCorrection:
+                groups: ParallelGroups, *, is_weight_mean: float | None = None,
+                advantages: Tensor | None = None) -> MicrobatchCorrection:
         """The rollout correction of one microbatch shard, before its loss (the pre-pass).
 
         reference_logprobs: `[batch, local_seq]` pi_old in decoupled mode; in bypass mode the
             current policy's logprobs from a no-grad forward with the step's weights.
         rollout_logprobs, loss_mask: `[batch, local_seq]` this rank's CP shard.
+        advantages: `[batch, local_seq]` or `[batch]`, the same the loss gets; required when
+            `rc_cfg.needs_advantages` (OPSM, DPPO-TV), ignored otherwise.
         Collectives: one CP all-gather when cp > 1. Every CP rank must call it for the same rows.
         """
         return distributed_rollout_correction(reference_logprobs.detach(), rollout_logprobs, loss_mask,
-                                              self.rc_cfg, groups, is_weight_mean=is_weight_mean)
+                                              self.rc_cfg, groups, is_weight_mean=is_weight_mean,
+                                              advantages=advantages)
 
     def prepare_step(self, corrections: Sequence[MicrobatchCorrection], groups: ParallelGroups) -> StepReduction:
         """Reduce the step's corrections over dp x cp (one fused all-reduce): denominators, metrics.
@@ -198,7 +204,8 @@ class RolloutCorrectedPolicyLoss:
                              "on the current policy: run a no-grad pre-pass and prepare_step instead")
         cfg = dataclasses.replace(self.rc_cfg, rollout_is=None, rollout_rs=None, rollout_rs_threshold=None,
                                   rollout_token_veto_threshold=None, bypass_mode=False, loss_type="ppo_clip",
-                                  metrics_only=False)
+                                  metrics_only=False, opsm_threshold=None, kpop_threshold=None,
+                                  dppo_tv_threshold=None, dppo_tv_threshold_low=None)
         corrections = [distributed_rollout_correction(rollout, rollout, mask, cfg, groups)
                        for rollout, mask in microbatches]
         step = reduce_step(corrections, cfg, groups)
@@ -250,7 +257,8 @@ class RolloutCorrectedPolicyLoss:
                 raise ValueError("rollout_is_batch_normalize needs the step's global IS-weight mean before the "
                                  "loss: pass denominators from prepare_step (or a precomputed correction)")
             judged = logprobs.detach() if cfg.bypass_mode else reference
-            correction = self.correct(judged, rollout_logprobs, loss_mask, groups, is_weight_mean=mean)
+            correction = self.correct(judged, rollout_logprobs, loss_mask, groups, is_weight_mean=mean,
+                                      advantages=advantages)
         elif correction.batch_norm_pending:
             raise ValueError("the correction still awaits batch normalisation: call prepare_step on the step's "
                              "corrections before the loss")

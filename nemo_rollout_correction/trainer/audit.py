@@ -191,7 +191,11 @@ def preset_effects(data: AuditData, presets: Sequence[str]) -> dict[str, dict[st
     out: dict[str, dict[str, float]] = {}
     for name in presets:
         cfg = RolloutCorrectionConfig.from_preset(name)
-        m = compute_rollout_correction(data.old_logprobs, data.rollout_logprobs, data.loss_mask, cfg).metrics
+        # Audit rollouts carry no rewards: every sequence is given a negative advantage, so the presets that
+        # mask by advantage (OPSM, DPPO-TV low side) show their largest possible effect.
+        worst = -torch.ones(data.loss_mask.shape[0], device=data.loss_mask.device)
+        m = compute_rollout_correction(data.old_logprobs, data.rollout_logprobs, data.loss_mask, cfg,
+                                       advantages=worst).metrics
         truncated = (
             (
                 m.get("rollout_corr/rollout_is_ratio_fraction_high", 0.0)

@@ -117,6 +117,13 @@ def _configs() -> dict[str, RolloutCorrectionConfig]:
         "pure_is_token_bn": _cfg(bypass_mode=True, loss_type="reinforce", rollout_is="token",
                                  rollout_is_threshold=1.1, rollout_is_batch_normalize=True),
         "max_fraction_ok": _cfg(rollout_is="token", nonfinite_max_fraction=0.5),
+        # The frontier masks: OPSM's sequence KL and advantage sign need the CP-completed per-sequence
+        # sums; KPop and DPPO-TV overlap the token IS mask (survivors are counted token by token).
+        "frontier_all": _cfg(rollout_is="token", rollout_is_mode="mask", rollout_is_threshold=1.2,
+                             opsm_threshold=0.0, kpop_threshold=0.004, dppo_tv_threshold=0.02,
+                             dppo_tv_threshold_low=0.03),
+        "frontier_opsm_den": _cfg(rollout_is="sequence", opsm_threshold=0.005, rejected_tokens_in_denominator=True,
+                                  rollout_token_veto_threshold=1e-4),
     }
     seen = set(configs.values())
     for name in preset_names():
@@ -288,7 +295,8 @@ def run_step(layout: Layout, groups: ParallelGroups, cfg: RolloutCorrectionConfi
             view, view_logprobs = tensors, logprobs
         old = view_logprobs.detach() if cfg.bypass_mode else view["old"]
         with counter.during("microbatch"):
-            mb = distributed_rollout_correction(old, view["rollout"], view["mask"], cfg, groups)
+            mb = distributed_rollout_correction(old, view["rollout"], view["mask"], cfg, groups,
+                                                advantages=view["advantages"])
         microbatches.append((start, stop, rows, cols, packed, view, logprobs, view_logprobs, mb))
     with counter.during("step"):
         step = reduce_step([m[-1] for m in microbatches], cfg, groups, extremes=layout.extremes)

@@ -87,7 +87,8 @@ def run_losses(groups: ParallelGroups, data: dict[str, Tensor]) -> dict[str, Any
                 with torch.no_grad():
                     current = loss_workers.module_logprobs(logits, batch["targets"], groups)
                 reference = current if cfg.bypass_mode else batch["old"]
-                corrections.append(module.correct(reference, batch["rollout"], batch["mask"], groups))
+                corrections.append(module.correct(reference, batch["rollout"], batch["mask"], groups,
+                                                  advantages=batch["advantages"]))
             step = module.prepare_step(corrections, groups)
             den = StepDenominators.from_step(step)
             total, grads = 0.0, []

@@ -131,7 +131,8 @@ def run_layout(layout: Layout, groups: ParallelGroups, data: dict[str, Tensor]) 
                 with torch.no_grad():
                     current = module_logprobs(logits, batch["targets"], groups)
                 reference = current if cfg.bypass_mode else batch["old"]
-                corrections.append(module.correct(reference, batch["rollout"], batch["mask"], groups))
+                corrections.append(module.correct(reference, batch["rollout"], batch["mask"], groups,
+                                                  advantages=batch["advantages"]))
             step = module.prepare_step(corrections, groups)
             den = StepDenominators.from_step(step)
             total, grads = 0.0, []
@@ -203,17 +204,21 @@ def run_nemo_rl(layout: Layout, groups: ParallelGroups, data: dict[str, Tensor])
                     current = module_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], groups)
                 reference = current if cfg.bypass_mode else mb["prev_logprobs"][:, 1:]
                 mask = (mb["token_mask"][:, 1:] != 0) & (mb["sample_mask"][:, None] != 0)
-                corrections.append(adapter.loss.correct(reference, mb["generation_logprobs"][:, 1:], mask, groups))
+                corrections.append(adapter.loss.correct(reference, mb["generation_logprobs"][:, 1:], mask, groups,
+                                                        advantages=mb["advantages"][:, 1:]))
             step = adapter.loss.prepare_step(corrections, groups)
             adapter.set_step_denominators(StepDenominators.from_step(step))
             total, grads = 0.0, []
+            # NeMo-RL's sync path passes its own mask counts; the override replaces them (placeholder 1s
+            # would mean its split path, which the adapter refuses without split_train_path=True).
+            nemo_seqs, nemo_toks = torch.tensor(float(ROWS)), torch.tensor(float(ROWS * COLS))
             for start, stop, mb, logits in mbs:
                 if groups.tp_size > 1:  # the older NeMo-RL call convention, with the TP group
-                    loss, metrics = adapter(logits, mb, torch.tensor(1.0), torch.tensor(1.0),
+                    loss, metrics = adapter(logits, mb, nemo_seqs, nemo_toks,
                                             vocab_parallel_rank=groups.tp_rank, vocab_parallel_group=groups.tp_group)
                 else:  # the newer keyword convention (LossInputType.LOGIT)
-                    loss, metrics = adapter(data=mb, global_valid_seqs=torch.tensor(1.0),
-                                            global_valid_toks=torch.tensor(1.0), logits=logits)
+                    loss, metrics = adapter(data=mb, global_valid_seqs=nemo_seqs, global_valid_toks=nemo_toks,
+                                            logits=logits)
                 assert "loss" in metrics
                 (grad,) = torch.autograd.grad(loss, logits)
                 total += float(loss.detach())

@@ -30,7 +30,8 @@ TOL = 1e-5
 # Token-level rejection under CP exercises core's phase 2 on a fresh chunk view; these configs
 # caught a core bug (phase 2 ignored token RS) that test_core_phase_two_applies_token_rejection
 # now pins in one process.
-_TOKEN_RS_CONFIGS = {"rs_token_k3_only", "bypass_rs", "rs_token_k1_is_mask", "rs_metrics_only"}
+_TOKEN_RS_CONFIGS = {"rs_token_k3_only", "bypass_rs", "rs_token_k1_is_mask", "rs_metrics_only", "frontier_all",
+                     "frontier_opsm_den"}
 
 
 def cases() -> list[Any]:
@@ -44,7 +45,7 @@ def reference(name: str) -> dict[str, Any]:
     cfg = CONFIGS[name]
     data = make_data()
     old = data["logprobs"] if cfg.bypass_mode else data["old"]
-    out = compute_rollout_correction(old, data["rollout"], data["mask"], cfg)
+    out = compute_rollout_correction(old, data["rollout"], data["mask"], cfg, advantages=data["advantages"])
     losses, grads = {}, {}
     for mode in LOSS_MODES:
         logprobs = data["logprobs"].clone().requires_grad_(True)
@@ -202,8 +203,19 @@ def test_core_phase_two_applies_token_rejection(name: str) -> None:
     cfg = CONFIGS[name]
     data = make_data()
     old = data["logprobs"] if cfg.bypass_mode else data["old"]
-    one_call = compute_rollout_correction(old, data["rollout"], data["mask"], cfg)
-    seq = sequence_partials(old, data["rollout"], data["mask"], cfg)
-    two_phase = finish_correction(old, data["rollout"], data["mask"], cfg, seq)
+    adv = data["advantages"]
+    one_call = compute_rollout_correction(old, data["rollout"], data["mask"], cfg, advantages=adv)
+    seq = sequence_partials(old, data["rollout"], data["mask"], cfg, advantages=adv)
+    two_phase = finish_correction(old, data["rollout"], data["mask"], cfg, seq, advantages=adv)
     assert torch.equal(two_phase.keep_mask, one_call.keep_mask)
     assert two_phase.metrics == pytest.approx(one_call.metrics, rel=1e-9, abs=1e-12)
+
+
+def test_frontier_configs_are_informative() -> None:
+    """The frontier-mask scenarios reject something with every mask, so their CP equivalence means something."""
+    m = reference("frontier_all")["out"].metrics
+    for key in ("opsm_seq_masked_fraction", "kpop_masked_fraction", "dppo_tv_masked_fraction_high",
+                "dppo_tv_masked_fraction_low", "rollout_is_masked_fraction"):
+        assert m[f"rollout_corr/{key}"] > 0, key
+    assert 0.9 < m["rollout_corr/prob_pearson"] < 1.0
+    assert reference("frontier_opsm_den")["out"].metrics["rollout_corr/opsm_seq_masked_fraction"] > 0

@@ -163,7 +163,8 @@ def test_schema_from_the_config_covers_every_rank_s_partials(name: str) -> None:
     cfg = CONFIGS[name]
     schema = metric_schema(cfg)
     for old, rollout, mask in _subsets(make_data()):
-        mb = distributed_rollout_correction(old, rollout, mask, cfg, ParallelGroups.single())
+        adv = torch.linspace(-1.0, 1.0, old.shape[0])  # read by OPSM / DPPO-TV configs only
+        mb = distributed_rollout_correction(old, rollout, mask, cfg, ParallelGroups.single(), advantages=adv)
         schema.check(mb.partials)
 
 
@@ -174,8 +175,10 @@ def test_schema_from_the_config_covers_every_rank_s_partials(name: str) -> None:
 def test_single_rank_equals_core(name: str) -> None:
     cfg = CONFIGS[name]
     data = make_data()
-    ref = compute_rollout_correction(data["old"], data["rollout"], data["mask"], cfg)
-    mb = distributed_rollout_correction(data["old"], data["rollout"], data["mask"], cfg, ParallelGroups.single())
+    adv = data["advantages"]
+    ref = compute_rollout_correction(data["old"], data["rollout"], data["mask"], cfg, advantages=adv)
+    mb = distributed_rollout_correction(data["old"], data["rollout"], data["mask"], cfg, ParallelGroups.single(),
+                                        advantages=adv)
     step = reduce_step([mb], cfg, ParallelGroups.single())
     assert torch.equal(mb.keep_mask, ref.keep_mask)
     torch.testing.assert_close(mb.is_weights, ref.is_weights)

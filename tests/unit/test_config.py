@@ -47,7 +47,8 @@ def test_every_preset_builds_and_runs_on_random_data(name: str) -> None:
     rollout = -torch.rand(4, 9, generator=gen) * 3
     old = rollout + 0.05 * torch.randn(4, 9, generator=gen)
     mask = torch.rand(4, 9, generator=gen) > 0.2
-    out = compute_rollout_correction(old, rollout, mask, cfg)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])  # ignored by presets that do not mask by advantage
+    out = compute_rollout_correction(old, rollout, mask, cfg, advantages=advantages)
     assert out.is_weights.shape == (4, 9) and out.is_weights.dtype == torch.float32
     assert out.keep_mask.dtype == torch.bool
     assert not (out.keep_mask & ~mask).any()

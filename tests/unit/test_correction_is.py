@@ -212,7 +212,10 @@ def test_inputs_are_not_modified_and_outputs_detached(c: RolloutCorrectionConfig
     old, rollout, mask = batch()
     old.requires_grad_(True)
     before = (old.detach().clone(), rollout.clone(), mask.clone())
-    out = compute_rollout_correction(old, rollout, mask, c)
+    advantages = torch.where(torch.arange(old.shape[0]) % 2 == 0, 1.0, -1.0)  # for OPSM / DPPO-TV
+    adv_before = advantages.clone()
+    out = compute_rollout_correction(old, rollout, mask, c, advantages=advantages)
+    assert torch.equal(advantages, adv_before)
     assert not out.is_weights.requires_grad
     assert torch.equal(old.detach(), before[0]) and torch.equal(rollout, before[1]) and torch.equal(mask, before[2])
     # The outputs own their memory: writing to them cannot reach the caller's tensors.

@@ -184,8 +184,10 @@ def test_nonfinite_padding_is_ignored_entirely(name: str) -> None:
     for policy in ("raise", "reject_sequence"):
         c_policy = RolloutCorrectionConfig.from_dict({**c.to_dict(), "nonfinite_policy": policy,
                                                       "nonfinite_max_fraction": 0.0})
-        ref = compute_rollout_correction(old, rollout, mask, c_policy)
-        _assert_same(compute_rollout_correction(dirty_old, dirty_rollout, mask, c_policy), ref)
+        # Alternating advantage signs (read only by OPSM / DPPO-TV presets).
+        adv = torch.where(torch.arange(old.shape[0]) % 2 == 0, 1.0, -1.0)
+        ref = compute_rollout_correction(old, rollout, mask, c_policy, advantages=adv)
+        _assert_same(compute_rollout_correction(dirty_old, dirty_rollout, mask, c_policy, advantages=adv), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])

@@ -78,7 +78,10 @@ def test_divergence_and_perplexity_metrics() -> None:
 
 def test_metric_names_are_prefixed_and_finite() -> None:
     for name in RolloutCorrectionConfig.preset_names():
-        m = compute_rollout_correction(*batch(), RolloutCorrectionConfig.from_preset(name)).metrics
+        old = batch()[0]
+        advantages = torch.where(torch.arange(old.shape[0]) % 2 == 0, 1.0, -1.0)  # OPSM / DPPO-TV presets
+        preset = RolloutCorrectionConfig.from_preset(name)
+        m = compute_rollout_correction(*batch(), preset, advantages=advantages).metrics
         assert all(k.startswith(F) for k in m)
         assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
 
@@ -222,7 +225,8 @@ def test_quantiles_of_tiny_mismatches_resolve_one() -> None:
 
 # ---- metrics-only parity ---------------------------------------------------------------------------
 
-KEPT_KEYS = ("num_kept_tokens", "num_kept_seqs", "kept_token_fraction", "num_denominator_tokens")
+KEPT_KEYS = ("num_kept_tokens", "num_kept_seqs", "kept_token_fraction", "num_denominator_tokens",
+             "prob_pearson")  # prob_pearson is over kept tokens by definition
 
 PARITY_CONFIGS = [
     cfg(rollout_is="token", rollout_is_threshold=1.5),

@@ -19,6 +19,7 @@ CONFIGS = [
     RolloutCorrectionConfig(rollout_is="sequence", rollout_is_batch_normalize=True),
     RolloutCorrectionConfig(rollout_is="geometric", rollout_is_mode="mask", rollout_is_threshold=1.01),
     RolloutCorrectionConfig(rollout_token_veto_threshold=None),
+    RolloutCorrectionConfig(opsm_threshold=0.0, kpop_threshold=0.1, dppo_tv_threshold=0.1),
 ]
 
 
@@ -29,7 +30,8 @@ def _emitted_keys() -> set[str]:
     mask = torch.ones(4, 8, dtype=torch.bool)
     keys: set[str] = set()
     for cfg in CONFIGS:
-        keys |= set(compute_rollout_correction(old, rollout, mask, cfg).metrics)
+        advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        keys |= set(compute_rollout_correction(old, rollout, mask, cfg, advantages=advantages).metrics)
     return keys
 
 

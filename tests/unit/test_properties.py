@@ -73,8 +73,10 @@ def configs(draw: Any, **fixed: Any) -> RolloutCorrectionConfig:
         fields["rollout_rs_threshold"] = ",".join(criterion(draw, name) for name in names)
     fields.update(fixed)
     if draw(st.booleans()):  # sometimes start from a preset instead
+        # Presets that mask by advantage are covered with advantages in test_frontier_masks.py.
         preset = draw(st.sampled_from([p for p in RolloutCorrectionConfig.preset_names()
-                                       if not RolloutCorrectionConfig.from_preset(p).bypass_mode]))
+                                       if not RolloutCorrectionConfig.from_preset(p).bypass_mode
+                                       and not RolloutCorrectionConfig.from_preset(p).needs_advantages]))
         keep = {k: fields[k] for k in ("nonfinite_policy", "metrics_only", "rejected_tokens_in_denominator")}
         return RolloutCorrectionConfig.from_preset(preset, **{**keep, **fixed})
     return RolloutCorrectionConfig.from_dict(fields)

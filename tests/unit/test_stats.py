@@ -28,7 +28,10 @@ def test_partials_combine_by_kind() -> None:
     b.add_max("hi", torch.tensor(4.0))
     b.add_min("lo", torch.tensor(0.5))
     a.merge(b)
-    assert a.get_sum("n") == 6.5 and a.get_sum("only_b") == 7.0 and a.get_sum("absent") == 0.0
+    assert a.get_sum("n") == 6.5 and a.get_sum("only_b") == 7.0
+    # A missing partial is an error, never 0.0 (a misspelt denominator key would zero the loss).
+    with pytest.raises(KeyError, match=r"absent.*present"):
+        a.get_sum("absent")
     assert float(a.maxs["hi"]) == 4.0 and float(a.mins["lo"]) == -1.0
     assert all(v.dtype == torch.float64 for d in (a.sums, a.maxs, a.mins) for v in d.values())
 
