@@ -123,13 +123,16 @@ def plan_step(
     groups: ParallelGroups,
     *,
     reference_logprobs: Sequence[Tensor] | None = None,
+    advantages: Sequence[Tensor] | None = None,
     kl_coef: float = 0.0,
     kl_estimator: KLEstimator = "k3",
 ) -> StepPlan:
     """The update's plan from this rank's microbatch shards (`[rows, local_seq]` each).
 
     reference_logprobs: `old_logprobs` for `decoupled`, the current policy's no-grad logprobs for
-        `prepass`; unused otherwise. Collectives: a CP all-gather per microbatch and one all-reduce over
+        `prepass`; unused otherwise.
+    advantages: per microbatch `[rows]`, for the masks that read them (OPSM, DPPO-TV); None when the
+        configuration has none of them. Collectives: a CP all-gather per microbatch and one all-reduce over
         dp x cp (not for `post_scaled`). Every dp x cp rank of the last stage calls it.
     """
     kl = {"kl_coef": kl_coef, "kl_estimator": kl_estimator}
@@ -140,9 +143,11 @@ def plan_step(
         return StepPlan(strategy, None, loss_fn.rollout_only_denominators(pairs, groups), {}, **kl)  # type: ignore[arg-type]
     if reference_logprobs is None:
         raise ValueError(f"the {strategy!r} plan needs reference logprobs (old_logprobs or a no-grad pre-pass)")
+    per_microbatch = advantages if advantages is not None else [None] * len(rollout_logprobs)
     corrections = tuple(
-        loss_fn.correct(ref, rollout, mask, groups)
-        for ref, rollout, mask in zip(reference_logprobs, rollout_logprobs, loss_masks, strict=True)
+        loss_fn.correct(ref, rollout, mask, groups, advantages=adv)
+        for ref, rollout, mask, adv in zip(reference_logprobs, rollout_logprobs, loss_masks, per_microbatch,
+                                           strict=True)
     )
     step = loss_fn.prepare_step(corrections, groups)
     return StepPlan(strategy, corrections, StepDenominators.from_step(step), step.metrics, **kl)  # type: ignore[arg-type]

@@ -480,6 +480,7 @@ class GrpoTrainer:
             reference = [mb.old_logprobs for mb in microbatches if mb.old_logprobs is not None]
         return plan_step(self.loss_fn, self.strategy, [mb.rollout_logprobs for mb in microbatches],
                          [mb.loss_mask for mb in microbatches], self.groups, reference_logprobs=reference,
+                         advantages=[mb.advantages for mb in microbatches],
                          kl_coef=self.cfg.grpo.kl_coef, kl_estimator=self.cfg.grpo.kl_estimator)
 
     def forward_backward(self, microbatches: list[Microbatch], plan: StepPlan) -> StepStats:

@@ -82,6 +82,10 @@ def test_every_preset_runs_one_step(trainer: Any) -> None:
         assert math.isfinite(metrics["loss/policy"]), name
         assert math.isfinite(metrics["loss/grad_norm"]), name
         assert "rollout_corr/kl" in metrics and "rollout_corr/kept_token_fraction" in metrics, name
+        for field, key in (("opsm_threshold", "opsm_seq_masked_fraction"), ("kpop_threshold", "kpop_masked_fraction"),
+                           ("dppo_tv_threshold", "dppo_tv_masked_fraction")):  # advantages reach the step's masks
+            if getattr(cfg, field) is not None:
+                assert math.isfinite(metrics[f"rollout_corr/{key}"]), name
         if cfg.bypass_mode:
             assert metrics["timing/old_logprob_s"] < 1e-3, f"{name}: bypass must skip the old-logprob pass"
         else:
