@@ -347,3 +347,17 @@ def test_loglinear_old_logprobs_skip_the_forward_and_match_it(tmp_path: Path) ->
     for m in skp:
         assert "rollout_corr/loglinear_abs_error_mean" not in m
         assert m["timing/old_logprob_s"] < 0.05 * max(ref["timing/old_logprob_s"], 1e-3)
+
+
+@pytest.mark.slow
+def test_float16_engine_and_float16_trainer_end_to_end(tmp_path: Path) -> None:
+    """rollout.dtype=float16 with model.dtype=float16: two steps through nrc train with Megatron's loss scaler."""
+    out = tmp_path / "fp16"
+    _ok(nrc([*FAST, "rollout.dtype=float16", "model.dtype=float16", "run.num_steps=2", "tracking.enabled=false",
+             "checkpoint.every_n_steps=0", f"run.output_dir={out}"], tmp_path))
+    steps = read_metrics(out)
+    for m in steps:
+        assert m["optim/loss_scale"] > 1.0, "fp16 trains with Megatron's dynamic loss scaler"
+        assert all(v == v for v in m.values()), "a NaN metric"
+        assert m["rollout_corr/k3_kl"] >= 0.0 and m["optim/skipped_updates"] == 0.0
+    assert steps[0]["loss/grad_norm"] > 0.0  # (a later step may have zero reward variance: no gradient)
