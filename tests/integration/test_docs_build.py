@@ -112,13 +112,14 @@ def _emitted_metric_keys() -> set[str]:
     old = -torch.rand(4, 16, generator=gen) * 3
     rollout = old + torch.randn(4, 16, generator=gen) * 0.05
     mask = torch.ones(4, 16, dtype=torch.bool)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])  # OPSM and DPPO-TV read them; other configs ignore them
     configs = [RolloutCorrectionConfig.from_preset(n) for n in RolloutCorrectionConfig.preset_names()]
     configs.append(RolloutCorrectionConfig(rollout_is="token", rollout_is_mode="mask", rollout_is_batch_normalize=True,
                                            rollout_rs="token_k1,seq_mean_k1,seq_sum_k1,seq_mean_k3",
                                            rollout_rs_threshold="0.5_2.0,0.5_2.0,0.5_2.0,0.01"))
     keys: set[str] = set()
     for cfg in configs:
-        keys |= set(compute_rollout_correction(old, rollout, mask, cfg).metrics)
+        keys |= set(compute_rollout_correction(old, rollout, mask, cfg, advantages=advantages).metrics)
     return keys
 
 
