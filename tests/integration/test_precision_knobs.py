@@ -127,7 +127,7 @@ def test_audit_settings_grid_and_its_validation() -> None:
     # an fp32 LM head under an fp32 trainer is the fp32 trainer: compared once
     assert trainers == [("float32", False), ("bfloat16", False), ("bfloat16", True)]
     default = load_config([])
-    assert audit_settings(default) == (["float32"], [("float32", False)])
+    assert audit_settings(default) == (["bfloat16"], [("float32", False)])  # the run's own: bf16 engine, fp32 trainer
     legacy = load_config(["audit.compare_dtypes=true", "rollout.dtype=bfloat16", "policy.lm_head_fp32=true",
                           "model.dtype=bfloat16"])
     assert audit_settings(legacy) == (["bfloat16", "float32"], [("bfloat16", True)])
