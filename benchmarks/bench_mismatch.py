@@ -94,7 +94,8 @@ def grid(args: argparse.Namespace) -> list[Cell]:
     if bad:
         raise SystemExit(f"--dtypes: unknown {bad}; allowed: {list(DTYPES)}")
     corrections = [c for c in args.corrections.split(",") if c]
-    return [Cell(d, c, s) for d in dtypes for c in corrections for s in range(1, args.seeds + 1)]
+    # Seed-major order: an interrupted grid still holds every (dtype, correction) cell for its first seeds.
+    return [Cell(d, c, s) for s in range(1, args.seeds + 1) for d in dtypes for c in corrections]
 
 
 def run_cell(cell: Cell, args: argparse.Namespace, extra: list[str], out: Path) -> list[dict[str, Any]]:
