@@ -294,7 +294,7 @@ def reduce_step_partials(
     (an empty sequence). Collectives: one SUM all-reduce, plus one MAX all-reduce only when the
     extremes do not fit the per-rank slots (`reduce.all_reduce_partials`); none on one rank.
     device: where the reduction buffers live (default: the partials' device; see
-        `reduce.collective_device` for a rank without microbatches).
+        `reduce.partials_device` for a rank without microbatches).
     """
     merged = Partials()
     for part in [partials] if isinstance(partials, Partials) else partials:

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from nemo_rollout_correction.core.stats import Partials
+from nemo_rollout_correction.distributed.tensor_gather import collective_device
 
 ExtremesMode = Literal["auto", "slots", "max"]
 EXTREMES_MODES: tuple[str, ...] = get_args(ExtremesMode)
@@ -44,7 +45,7 @@ __all__ = [
     "PartialsSchema",
     "all_gather_flat",
     "all_reduce_partials",
-    "collective_device",
+    "partials_device",
     "use_slots",
 ]
 
@@ -194,7 +195,7 @@ def all_reduce_partials(
     input is not modified. With `group_size == 1` nothing is communicated.
     """
     schema.check(partials)
-    device = device or collective_device(group, partials)
+    device = device or partials_device(group, partials)
     num_sums, num_ext = schema.num_sum_elements, schema.num_extremes
     slots = group_size > 1 and use_slots(schema, group_size, extremes)
     length = num_sums + (group_size * num_ext if slots else 0)
@@ -224,14 +225,12 @@ def all_reduce_partials(
     return schema.unflatten(buffer, ext[:n_max], -ext[n_max:])
 
 
-def collective_device(group: ProcessGroup | None, partials: Partials) -> torch.device:
+def partials_device(group: ProcessGroup | None, partials: Partials) -> torch.device:
     """The device of `partials`, or where a rank with no partials must put its buffers."""
     for table in (partials.sums, partials.maxs, partials.mins):
         for value in table.values():
             return value.device
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device(group)
 
 
 def all_gather_flat(local: Tensor, *, group: ProcessGroup | None, group_size: int) -> Tensor:

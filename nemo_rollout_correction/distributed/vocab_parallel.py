@@ -58,6 +58,7 @@ __all__ = [
     "STATUS_OUT_OF_SUPPORT",
     "SamplingReplay",
     "SupportThreshold",
+    "active_filters",
     "finish_partials",
     "local_candidates",
     "logits_grad",
@@ -80,6 +81,14 @@ STATUS_KEPT = 3.0
 
 
 # ---- configuration -----------------------------------------------------------------------------
+
+
+def active_filters(top_k: int | None, top_p: float | None) -> tuple[int | None, float | None]:
+    """vLLM's convention for disabled sampling filters, the one place it is written: `top_k` None or <= 0
+    (vLLM's 0 / -1) and `top_p` None or >= 1 mean no filtering and come back as None."""
+    k = None if top_k is None or top_k <= 0 else int(top_k)
+    p = None if top_p is None or top_p >= 1.0 else float(top_p)
+    return k, p
 
 
 @dataclass(frozen=True)
@@ -115,8 +124,9 @@ class SamplingReplay:
             raise ValueError(f"top_p must lie in (0, 1] (1 disables it), got {top_p!r}")
         if top_p_candidates < 1:
             raise ValueError(f"top_p_candidates must be >= 1, got {top_p_candidates}")
-        k = None if top_k is None or top_k <= 0 or top_k >= vocab_size else int(top_k)
-        p = None if top_p is None or top_p >= 1.0 else float(top_p)
+        k, p = active_filters(top_k, top_p)
+        if k is not None and k >= vocab_size:
+            k = None
         return cls(float(temperature), k, p, int(top_p_candidates))
 
     @property

@@ -7,6 +7,7 @@ from typing import Any
 
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.runtime import broadcast_object
+from nemo_rollout_correction.distributed.vocab_parallel import active_filters
 from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, RolloutBatch, RolloutSample, SamplingOptions
 
 
@@ -21,11 +22,8 @@ def sampling_options(cfg: TrainConfig) -> SamplingOptions:
 def replay_options(cfg: TrainConfig) -> dict[str, Any]:
     """vLLM's sampling transformations for the trainer to replay when scoring (disabled filters -> None)."""
     r = cfg.rollout
-    return {
-        "temperature": r.temperature,
-        "top_k": r.top_k if r.top_k > 0 else None,
-        "top_p": r.top_p if r.top_p < 1.0 else None,
-    }
+    top_k, top_p = active_filters(r.top_k, r.top_p)
+    return {"temperature": r.temperature, "top_k": top_k, "top_p": top_p}
 
 
 def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None) -> EngineOptions:

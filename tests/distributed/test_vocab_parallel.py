@@ -30,6 +30,7 @@ from nemo_rollout_correction.distributed import vocab_parallel_logprobs
 from nemo_rollout_correction.distributed.vocab_parallel import (
     STATUS_KEPT,
     SamplingReplay,
+    active_filters,
     finish_partials,
     local_candidates,
     logits_grad,
@@ -314,6 +315,9 @@ def test_replay_arguments() -> None:
     assert SamplingReplay.create(1.0, 0, None, vocab_size=10).top_k is None
     assert SamplingReplay.create(1.0, 10, None, vocab_size=10).top_k is None  # k >= vocab keeps all
     assert SamplingReplay.create(0.5, 3, 0.9, vocab_size=10) == SamplingReplay(0.5, 3, 0.9)
+    # The one "disabled filter" rule, shared with the trainer's replay options (trainer/settings.py).
+    assert active_filters(-1, 1.0) == active_filters(0, None) == (None, None)
+    assert active_filters(3, 0.9) == (3, 0.9)
     for bad in ({"temperature": 0.0}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": -0.1},
                 {"top_k": True}, {"top_p_candidates": 0}):
         with pytest.raises(ValueError):
