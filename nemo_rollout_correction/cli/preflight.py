@@ -8,9 +8,10 @@ as a traceback deep inside the model conversion. Text models need none of the th
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
+
+from nemo_rollout_correction.config.options import add_config_dir_argument  # re-exported: one definition
 
 __all__ = [
     "MEDIA_PACKAGES",
@@ -52,10 +53,3 @@ def check_media_packages(command: str) -> str | None:
         return None
     return (f"{command}: {', '.join(b.split(':', 1)[0] for b in broken)} installed but cannot be imported "
             f"against this torch ({'; '.join(broken)}); text models do not need them. Fix: {UNINSTALL_FIX}")
-
-
-def add_config_dir_argument(parser: argparse.ArgumentParser) -> None:
-    """Add `--config-dir DIR`: a user config directory searched before the shipped conf/ (docs/configuration.md)."""
-    parser.add_argument("--config-dir", metavar="DIR", default=None,
-                        help="a config directory searched before the shipped conf/: its config.yaml (if any) "
-                             "replaces the root config, its group files add options or replace shipped ones")

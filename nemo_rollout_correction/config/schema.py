@@ -22,10 +22,11 @@ from nemo_rollout_correction.core.aggregation import LossAggMode
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
 from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
-from nemo_rollout_correction.rollout.vllm_engine import RolloutDtype
+from nemo_rollout_correction.rollout.vllm_engine import ROLLOUT_DTYPES, RolloutDtype
 
 __all__ = [
-    "BUILTIN_MODELS",
+    "LAUNCHER_NAMES",
+    "TASK_NAMES",
     "AuditConfig",
     "CheckpointConfig",
     "ConfigError",
@@ -43,11 +44,9 @@ __all__ = [
 PolicyDtype = Literal["float32", "bfloat16", "float16"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 TaskName = Literal["arithmetic", "length_target", "dataset"]
+TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 LauncherName = Literal["local", "slurm"]
-
-BUILTIN_MODELS: tuple[str, ...] = BUILTIN_SOURCES
-"""Model names `model.source` accepts besides a path to a Hugging Face checkpoint directory (defined once,
-by the model sources)."""
+LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)
 
 SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 """Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (the one rule for `launcher.time`)."""
@@ -128,14 +127,14 @@ class ModelConfig:
                             "in Megatron's optimizer (float16 with its dynamic loss scaler).")
 
     def __post_init__(self) -> None:
-        if self.source in BUILTIN_MODELS:
+        if self.source in BUILTIN_SOURCES:
             return
         # Anything that looks like a path is accepted here (it may exist only on the cluster that
         # runs the job); a bare word that is not a builtin name is almost surely a typo.
         if "/" not in self.source and "\\" not in self.source and not self.source.startswith("."):
-            close = difflib.get_close_matches(self.source, BUILTIN_MODELS, n=1)
+            close = difflib.get_close_matches(self.source, BUILTIN_SOURCES, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            _fail("model.source", self.source, f"{hint}use a builtin model {list(BUILTIN_MODELS)} or a path to "
+            _fail("model.source", self.source, f"{hint}use a builtin model {list(BUILTIN_SOURCES)} or a path to "
                   "a Hugging Face checkpoint directory (containing '/')")
 
 
@@ -350,8 +349,14 @@ class LauncherConfig:
     container_mounts: list[str] = _f([], "Container mounts 'host:container[:flags]' for Slurm.")
 
     def __post_init__(self) -> None:
-        _at_least("launcher.nodes", self.nodes, 1)
-        _at_least("launcher.nproc_per_node", self.nproc_per_node, 1)
+        # The one set of launcher rules: `nrc train`'s composed config and `nrc launch` both build this class.
+        if self.name not in LAUNCHER_NAMES:
+            _fail("launcher.name", self.name, f"choose one of {list(LAUNCHER_NAMES)}")
+        for key in ("nodes", "nproc_per_node"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                _fail(f"launcher.{key}", value, "must be an integer >= 1")
+            _at_least(f"launcher.{key}", value, 1)
         if self.name == "local" and self.nodes != 1:
             _fail("launcher.nodes", self.nodes, "the local launcher runs on one node; use launcher=slurm")
         if not SLURM_TIME.match(self.time):
@@ -384,8 +389,8 @@ class AuditConfig:
         _at_least("audit.num_prompts", self.num_prompts, 1)
         _at_least("audit.worst_sequences", self.worst_sequences, 0)
         for i, dtype in enumerate(self.engine_dtypes):
-            if dtype not in get_args(RolloutDtype):
-                _fail(f"audit.engine_dtypes[{i}]", dtype, f"allowed: {list(get_args(RolloutDtype))}")
+            if dtype not in ROLLOUT_DTYPES:
+                _fail(f"audit.engine_dtypes[{i}]", dtype, f"allowed: {list(ROLLOUT_DTYPES)}")
         for i, dtype in enumerate(self.trainer_dtypes):
             if dtype not in get_args(PolicyDtype):
                 _fail(f"audit.trainer_dtypes[{i}]", dtype, f"allowed: {list(get_args(PolicyDtype))}")

@@ -11,7 +11,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nemo_rollout_correction.launch.settings import LauncherSettings
+from nemo_rollout_correction.config.schema import LauncherConfig
 
 DEFAULT_RDZV_PORT = 29500
 
@@ -55,7 +55,7 @@ class Entry:
 
 
 def torchrun_command(
-    settings: LauncherSettings,
+    settings: LauncherConfig,
     entry: Entry,
     *,
     rdzv_endpoint: str = "$MASTER_ADDR:$MASTER_PORT",

@@ -7,7 +7,7 @@
     python -m nemo_rollout_correction.launch launcher.nproc_per_node=2 \\
         --entry-module nemo_rollout_correction.launch.smoke -- --output-dir /tmp/smoke
 
-The overrides are those of `nrc train` (Hydra syntax); the composed config's `launcher:` section
+The overrides (and `--config-dir`) are those of `nrc train` (Hydra syntax); the composed config's `launcher:` section
 (`launcher=slurm`, `launcher.<field>=<value>`, `parallelism=<layout>`) says how to start it, and every
 override is passed on to `nrc train`. With `--entry-module` or `--entry` the job runs that instead,
 with the non-launcher overrides and the arguments after `--` (docs/deployment.md).
@@ -18,9 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from nemo_rollout_correction.config.options import add_config_dir_argument
+from nemo_rollout_correction.config.schema import LauncherConfig
 from nemo_rollout_correction.launch.entry import Entry, shell_join, torchrun_command
-from nemo_rollout_correction.launch.settings import LauncherSettings, is_launcher_override, settings_for
+from nemo_rollout_correction.launch.settings import is_launcher_override, settings_for
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     entry.add_argument("--entry-module", metavar="MODULE",
                        help="run `python -m MODULE <args after -->` instead of nrc train")
     entry.add_argument("--entry", metavar="EXECUTABLE", help="run `EXECUTABLE <args after -->` instead of nrc train")
+    add_config_dir_argument(p)
     p.add_argument("--name", default="nrc", help="NeMo-Run experiment and job name (default: nrc)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for every rank")
     p.add_argument("--job-dir", help="slurm: directory for the sbatch script and logs (shared file system)")
@@ -55,7 +59,7 @@ def _parse_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def resolve(argv: Sequence[str]) -> tuple[argparse.Namespace, LauncherSettings, Entry]:
+def resolve(argv: Sequence[str]) -> tuple[argparse.Namespace, LauncherConfig, Entry]:
     """Parse argv into the options, the launcher settings and the entry each rank runs."""
     argv = list(argv)
     tail: list[str] = []
@@ -67,7 +71,7 @@ def resolve(argv: Sequence[str]) -> tuple[argparse.Namespace, LauncherSettings, 
         # A custom entry: only the launcher's own overrides configure the launch; the rest go to the entry.
         ours = [o for o in args.overrides if is_launcher_override(o)]
         rest = [o for o in args.overrides if not is_launcher_override(o)]
-        settings = settings_for(ours)
+        settings = settings_for(ours, args.config_dir)
         make = Entry.module if args.entry_module else Entry.executable
         entry = make(args.entry_module or args.entry, *rest, *tail)
     else:
@@ -75,8 +79,10 @@ def resolve(argv: Sequence[str]) -> tuple[argparse.Namespace, LauncherSettings, 
             raise ValueError(f"arguments after -- ({tail}) need --entry or --entry-module; "
                              "nrc train takes key=value overrides")
         # The whole nrc train config is composed (and validated) here, before anything is started.
-        settings = settings_for(args.overrides)
-        entry = Entry.train(args.overrides)
+        settings = settings_for(args.overrides, args.config_dir)
+        # Every rank composes the same config: it gets the directory as an absolute path (its cwd may differ).
+        config_dir = [] if args.config_dir is None else ["--config-dir", str(Path(args.config_dir).resolve())]
+        entry = Entry.train([*config_dir, *args.overrides])
     return args, settings, entry
 
 

@@ -1,6 +1,6 @@
 """The NeMo-Run recipe: an `Entry` under torchrun on a LocalExecutor or a SlurmExecutor.
 
-    settings = LauncherSettings(name="local", nproc_per_node=2)
+    settings = LauncherConfig(name="local", nproc_per_node=2)
     result = launch(settings, Entry.train(["rollout_correction=token_tis"]))
 
 - local: `run.LocalExecutor(ntasks_per_node=nproc_per_node, launcher="torchrun")`; NeMo-Run (through
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nemo_rollout_correction.config.schema import LauncherConfig
 from nemo_rollout_correction.launch.entry import DEFAULT_RDZV_PORT, Entry
-from nemo_rollout_correction.launch.settings import LauncherSettings
 
 if TYPE_CHECKING:  # only for annotations; the import is lazy at run time
     import nemo_run
@@ -75,7 +75,7 @@ def build_script(entry: Entry, env: dict[str, str] | None = None) -> nemo_run.Sc
 
 
 def build_executor(
-    settings: LauncherSettings,
+    settings: LauncherConfig,
     *,
     env: dict[str, str] | None = None,
     job_dir: str | os.PathLike[str] | None = None,
@@ -144,7 +144,7 @@ def _final_status(exp: Any) -> str:
 
 
 def launch(
-    settings: LauncherSettings,
+    settings: LauncherConfig,
     entry: Entry,
     *,
     name: str = "nrc",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_rollout_correction.config.schema import TASK_NAMES  # re-exported: one list, from the config's Literal
 from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
 from nemo_rollout_correction.trainer.reward_pool import RewardPool
 from nemo_rollout_correction.trainer.rewards import (
@@ -37,7 +38,6 @@ __all__ = [
     "length_target_records",
 ]
 
-TASK_NAMES = ("arithmetic", "length_target", "dataset")
 ARITHMETIC_OPERATIONS = ("+", "-")
 # Above this many distinct problems, draw by rejection instead of enumerating them all.
 _ENUMERATE_LIMIT = 200_000

@@ -21,7 +21,6 @@ from nemo_rollout_correction.config import (
     TrainConfig,
 )
 from nemo_rollout_correction.config.convert import build, dotted_keys, suggest_key
-from nemo_rollout_correction.config.schema import BUILTIN_MODELS
 from nemo_rollout_correction.core.aggregation import LOSS_AGG_MODES
 
 
@@ -103,9 +102,17 @@ def test_literals_come_from_core() -> None:
     assert typing.get_args(tp) == LOSS_AGG_MODES
 
 
-def test_builtin_models_match_the_model_sources() -> None:
+def test_model_source_accepts_exactly_the_builtin_model_sources() -> None:
     sources = pytest.importorskip("nemo_rollout_correction.models.sources")
-    assert tuple(sources.BUILTIN_SOURCES) == BUILTIN_MODELS
+    for name in sources.BUILTIN_SOURCES:
+        assert ModelConfig(source=name).source == name
+    with pytest.raises(ConfigError, match=r"did you mean 'tiny-llama'"):
+        ModelConfig(source="tiny-lama")
+
+
+def test_task_names_are_the_task_literal() -> None:
+    tasks = pytest.importorskip("nemo_rollout_correction.trainer.tasks")
+    assert typing.get_args(typing.get_type_hints(TaskConfig)["name"]) == tasks.TASK_NAMES
 
 
 def test_build_accepts_partial_data_and_rejects_bad_types() -> None:
