@@ -2,7 +2,7 @@
 
     from nemo_rollout_correction.config import load_config
     cfg = load_config(["model=tiny_llama", "rollout_correction=decoupled_geo_rs", "policy.lr=3e-6"])
-    cfg.policy.lr, cfg.to_rollout_correction_config()
+    cfg.policy.lr, cfg.rollout_correction
 
 Layer: above models/rollout, below trainer/tracking. The loader's names are imported on first use
 (PEP 562), so `config.schema` and `config.redaction` work without the `config` extra (hydra-core, pyyaml):

@@ -465,10 +465,6 @@ class TrainConfig:
 
     # ---- resolved views ---------------------------------------------------------------------
 
-    def to_rollout_correction_config(self) -> RolloutCorrectionConfig:
-        """The validated core config the loss consumes."""
-        return self.rollout_correction
-
     @property
     def rollout_seed(self) -> int:
         """rollout.seed, or run.seed when it is null."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +151,6 @@ class ModelArch:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}; "
                                  f"choose a divisor of {value}")
 
-    def as_dict(self) -> dict[str, Any]:
-        """Plain dict (for logs and checkpoints)."""
-        return asdict(self)
 
 
 # --- families ---------------------------------------------------------------------------------------

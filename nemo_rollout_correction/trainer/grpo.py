@@ -153,7 +153,7 @@ class GrpoTrainer:
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         cfg.check_world_size(runtime.world_size, source=f"torch.distributed world size {runtime.world_size}")
-        self.rc_cfg = cfg.to_rollout_correction_config()
+        self.rc_cfg = cfg.rollout_correction
         # seq-mean-token-sum-norm divides by a constant length: the response budget, identical for every
         # microbatch and layout (the microbatch width would vary with the prompt and with CP padding).
         self.loss_fn = RolloutCorrectedPolicyLoss(

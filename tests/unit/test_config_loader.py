@@ -108,7 +108,7 @@ def test_every_group_option_in_conf_loads() -> None:
 
 @pytest.mark.parametrize("name", RolloutCorrectionConfig.preset_names())
 def test_every_rollout_correction_preset_equals_the_python_preset(name: str) -> None:
-    loaded = load_config([f"rollout_correction={name}"]).to_rollout_correction_config()
+    loaded = load_config([f"rollout_correction={name}"]).rollout_correction
     expected = RolloutCorrectionConfig.from_preset(name)
     for field_name in RolloutCorrectionConfig.field_names():
         assert getattr(loaded, field_name) == getattr(expected, field_name), (name, field_name)

@@ -84,7 +84,7 @@ def test_resolved_views() -> None:
     assert cfg.rollout_seed == 5
     assert cfg.tracking_uri == "sqlite:////out/mlflow.db"
     assert cfg.checkpoint_dir == "/out/checkpoints"
-    assert cfg.to_rollout_correction_config() == RolloutCorrectionConfig.from_preset("token_tis")
+    assert cfg.rollout_correction == RolloutCorrectionConfig.from_preset("token_tis")
 
 
 def test_every_field_has_help() -> None:
