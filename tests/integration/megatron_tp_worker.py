@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import megatron_tiny  # tests/integration (on sys.path: test_megatron_tp.py puts it there)
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -64,7 +65,7 @@ def _unsharded(model: nn.Module, values: dict[str, Tensor], group: Any, size: in
     params = dict(model.named_parameters())
     out = {}
     for name, value in values.items():
-        dim = megatron_cpu.tp_partition(params[name])
+        dim = megatron_tiny.tp_partition(params[name])
         out[name] = value.detach().clone() if dim is None or size == 1 else _gather(value.detach(), dim, group, size)
     return out
 
@@ -151,8 +152,8 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     layouts["tp1"] = _layout(ParallelGroups.from_megatron())
     megatron_cpu.seed_model_parallel(SEED)
-    cfg1 = megatron_cpu.tiny_gpt_config(tensor_model_parallel_size=1)
-    model1 = megatron_cpu.build_tiny_gpt(cfg1, vocab_size=VOCAB, max_sequence_length=SEQ)
+    cfg1 = megatron_tiny.tiny_gpt_config(tensor_model_parallel_size=1)
+    model1 = megatron_tiny.build_tiny_gpt(cfg1, vocab_size=VOCAB, max_sequence_length=SEQ)
     full_weights = {name: p.detach().clone() for name, p in model1.named_parameters()}
     tp1 = _run(model1, batch, ParallelGroups.from_megatron())
     parallel_state.destroy_model_parallel()
@@ -166,10 +167,10 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
     tp_group, tp_rank = groups.tp_group, groups.tp_rank
     assert tp_rank == parallel_state.get_tensor_model_parallel_rank()
     megatron_cpu.seed_model_parallel(SEED + 1)  # a different init: the loaded weights must win
-    cfg2 = megatron_cpu.tiny_gpt_config(tensor_model_parallel_size=2)
-    model2 = megatron_cpu.build_tiny_gpt(cfg2, vocab_size=VOCAB, max_sequence_length=SEQ)
-    sharded = [name for name, p in model2.named_parameters() if megatron_cpu.tp_partition(p) is not None]
-    megatron_cpu.load_unsharded_parameters(model2, full_weights, tp_rank, 2)
+    cfg2 = megatron_tiny.tiny_gpt_config(tensor_model_parallel_size=2)
+    model2 = megatron_tiny.build_tiny_gpt(cfg2, vocab_size=VOCAB, max_sequence_length=SEQ)
+    sharded = [name for name, p in model2.named_parameters() if megatron_tiny.tp_partition(p) is not None]
+    megatron_tiny.load_unsharded_parameters(model2, full_weights, tp_rank, 2)
     gathered_weights = _unsharded(model2, dict(model2.named_parameters()), tp_group, 2)
     tp2 = _run(model2, batch, groups)
     parallel_state.destroy_model_parallel()

@@ -116,7 +116,7 @@ def test_megatron_import_is_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ImportError):
         ParallelGroups.from_megatron()
     with pytest.raises(ImportError):
-        megatron_cpu.tiny_gpt_config()
+        megatron_cpu.seed_model_parallel(0)
 
 
 def test_runtime_is_small(megatron_run: dict[str, Any]) -> None:
