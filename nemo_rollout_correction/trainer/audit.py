@@ -18,8 +18,6 @@ so a clean audit means the training run starts on-policy up to numerics.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +35,7 @@ from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_sta
 from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.trainer.scoring import score_microbatches, sequence_log_ratios
 from nemo_rollout_correction.trainer.settings import (
     broadcast_rollouts,
     engine_options,
@@ -140,11 +139,11 @@ def rescore(
     ids = tensors["input_ids"]
     chunks = [ids[lo : lo + micro_batch_size] for lo in range(0, ids.shape[0], micro_batch_size)]
     if groups.cp_size == 1:
-        scored = policy.score_microbatches(chunks, **replay)
+        scored = score_microbatches(policy, chunks, replay)
     else:
         shards = [shard_next_token_batch(c, {}, groups.cp_size, groups.cp_rank, pad_id=pad_token_id) for c in chunks]
-        scored = policy.score_microbatches([s.input_ids for s in shards], labels=[s.labels for s in shards],
-                                           position_ids=[s.position_ids for s in shards], **replay)
+        scored = score_microbatches(policy, [s.input_ids for s in shards], replay, labels=[s.labels for s in shards],
+                                    position_ids=[s.position_ids for s in shards])
         if scored is not None:  # whole sequences back from every CP rank's share
             scored = [gather_cp_tokens(x, groups)[:, : ids.shape[1] - 1] for x in scored]
     pieces = broadcast_from_last_stage(scored, groups)
@@ -222,23 +221,19 @@ def preset_effects(data: AuditData, presets: Sequence[str]) -> dict[str, dict[st
 
 def worst_sequences(data: AuditData, k: int) -> list[dict[str, Any]]:
     """The k samples with the largest max |token log ratio|."""
-    log_ratio = torch.where(
-        data.loss_mask, data.old_logprobs - data.rollout_logprobs, torch.zeros_like(data.old_logprobs)
-    )
-    finite = torch.nan_to_num(log_ratio, nan=math.inf, posinf=math.inf, neginf=-math.inf)
-    worst = finite.abs().amax(-1) if finite.numel() else torch.zeros(len(data.batch.samples))
+    ratios = sequence_log_ratios(data.old_logprobs, data.rollout_logprobs, data.loss_mask, nonfinite="worst")
+    worst = ratios.seq_max_abs_log_ratio
     order = torch.argsort(worst, descending=True)[:k]
     rows = []
     for i in order.tolist():
         sample = data.batch.samples[i]
-        mask = data.loss_mask[i]
         rows.append(
             {
                 "sample": i,
                 "prompt_index": sample.prompt_index,
                 "response_tokens": len(sample.token_ids),
                 "max_abs_log_ratio": float(worst[i]),
-                "seq_log_ratio": float(log_ratio[i][mask].sum()),
+                "seq_log_ratio": float(ratios.seq_log_ratio[i]),
                 "text": sample.text,
             }
         )
@@ -341,11 +336,9 @@ def audit_settings(cfg: TrainConfig) -> tuple[list[str], list[tuple[str, bool]]]
 
 def audit_prompts(cfg: TrainConfig, tokenize: Any, num_prompts: int) -> list[list[int]]:
     """Token ids of the first `num_prompts` prompts of the configured task (deterministic)."""
-    from nemo_rollout_correction.trainer.tasks import build_task
+    from nemo_rollout_correction.trainer.tasks import task_from_config
 
-    options = dataclasses.asdict(cfg.task)
-    name = options.pop("name")
-    task = build_task(name, seed=cfg.run.seed, **options)
+    task = task_from_config(cfg)
     return [tokenize(record.prompt) for record in task.records[:num_prompts]]
 
 

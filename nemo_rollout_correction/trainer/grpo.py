@@ -39,7 +39,6 @@ everything needed for an exact resume (model, optimizer, RNG, sampler position, 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import sys
@@ -84,6 +83,7 @@ from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter, collect_step_rollouts
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
 from nemo_rollout_correction.trainer.rewards import score
+from nemo_rollout_correction.trainer.scoring import score_microbatches, sequence_log_ratios
 from nemo_rollout_correction.trainer.settings import (
     broadcast_rollouts,
     engine_options,
@@ -92,7 +92,7 @@ from nemo_rollout_correction.trainer.settings import (
     sampling_options,
     tokenize_prompt,
 )
-from nemo_rollout_correction.trainer.tasks import build_task
+from nemo_rollout_correction.trainer.tasks import task_from_config
 
 # Request seeds of step s are seed + s * _STEP_SEED_STRIDE + prompt index: distinct across steps and
 # reproducible on resume.
@@ -170,9 +170,7 @@ class GrpoTrainer:
         self.replay = replay_options(cfg)
 
         # The task (prompts + reward) is built on every rank: the sampler must advance identically.
-        task_options = dataclasses.asdict(cfg.task)
-        task_name = task_options.pop("name")
-        self.task = build_task(task_name, seed=cfg.run.seed, **task_options)
+        self.task = task_from_config(cfg)
         self.sampler = PromptSampler(self.task.records, cfg.task.prompts_per_step, seed=cfg.run.seed)
         self.dapo = DapoOptions.from_config(cfg)
         seeds_per_step = ((cfg.grpo.max_refill_batches + 1) * cfg.task.prompts_per_step
@@ -353,12 +351,10 @@ class GrpoTrainer:
 
     def _score(self, policy: MegatronPolicy, microbatches: list[Microbatch]) -> list[Tensor] | None:
         """No-grad logprobs of every microbatch (last pipeline stage; None on the others)."""
-        ids = [mb.input_ids for mb in microbatches]
-        if self.groups.cp_size == 1:
-            return policy.score_microbatches(ids, **self.replay)
-        labels = [mb.labels for mb in microbatches if mb.labels is not None]
+        labels = [mb.labels for mb in microbatches if mb.labels is not None]  # CP shares; empty without CP
         positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
-        return policy.score_microbatches(ids, labels=labels, position_ids=positions, **self.replay)
+        return score_microbatches(policy, [mb.input_ids for mb in microbatches], self.replay, labels=labels,
+                                  position_ids=positions)
 
     def _logprobs(self, logits: Tensor, mb: Microbatch) -> Tensor:
         """The loss pass's logprobs of `mb` from its logits (next-token shift, or CP labels)."""
@@ -648,12 +644,12 @@ class GrpoTrainer:
             if self.groups.cp_size > 1:  # whole sequences from every CP rank's share
                 reference, rollout, keep, weights, mask = (gather_cp_tokens(x, self.groups)
                                                            for x in (reference, rollout, keep, weights, mask))
-            log_ratio = torch.where(mask, reference - rollout, torch.zeros_like(reference))
-            log_ratio = torch.nan_to_num(log_ratio, nan=0.0, posinf=0.0, neginf=0.0)
+            ratios = sequence_log_ratios(reference, rollout, mask, nonfinite="zero")
+            log_ratio = ratios.log_ratio
             raw.append(log_ratio.clamp(-20, 20).exp()[keep])
             applied.append(weights[keep])
-            seq_lr.append(log_ratio.sum(-1))
-            seq_max.append(log_ratio.abs().amax(-1) if log_ratio.numel() else torch.zeros(len(mb.rows)))
+            seq_lr.append(ratios.seq_log_ratio)
+            seq_max.append(ratios.seq_max_abs_log_ratio)
             # k3 = exp(r) - 1 - r >= 0, in float64 with expm1: in float32 the cancellation of near-equal terms
             # made tiny fp32-engine mismatches (|r| ~ 1e-6) come out negative.
             r64 = log_ratio.double().clamp(-20, 20)

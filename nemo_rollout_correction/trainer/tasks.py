@@ -13,13 +13,17 @@ Everything is generated from ``seed`` with a local RNG: no download, same record
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_rollout_correction.config.schema import TASK_NAMES  # re-exported: one list, from the config's Literal
+from nemo_rollout_correction.config.schema import (  # TASK_NAMES re-exported: the config's Literal
+    TASK_NAMES,
+    TrainConfig,
+)
 from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
 from nemo_rollout_correction.trainer.reward_pool import RewardPool
 from nemo_rollout_correction.trainer.rewards import (
@@ -36,6 +40,7 @@ __all__ = [
     "arithmetic_records",
     "build_task",
     "length_target_records",
+    "task_from_config",
 ]
 
 ARITHMETIC_OPERATIONS = ("+", "-")
@@ -254,6 +259,14 @@ def build_task(
         spec = reward_fn if isinstance(reward_fn, str) else None
         resolved = RewardPool(resolved, reward_workers, reward_timeout_s, spec=spec)
     return Task(name=name, records=records, reward_fn=resolved, reward_name=reward_name)
+
+
+def task_from_config(cfg: TrainConfig) -> Task:
+    """The configured task (`task:` section, seeded by `run.seed`): what `nrc train` trains on and `nrc audit`
+    samples from, built the same way on every rank."""
+    options = dataclasses.asdict(cfg.task)
+    name = options.pop("name")
+    return build_task(name, seed=cfg.run.seed, **options)
 
 
 def _all_numeric_answers(records: list[PromptRecord], path: str | Path) -> bool:

@@ -147,3 +147,14 @@ def test_task_modules_import_no_heavy_frameworks() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert result.stdout.strip() == "[]"
+
+
+def test_task_from_config_builds_the_configured_task_with_the_run_seed() -> None:
+    from nemo_rollout_correction.config.schema import RunConfig, TaskConfig, TrainConfig
+    from nemo_rollout_correction.trainer.tasks import task_from_config
+
+    cfg = TrainConfig(run=RunConfig(seed=7), task=TaskConfig(name="arithmetic", num_prompts=5))
+    task = task_from_config(cfg)
+    assert task.name == "arithmetic"
+    assert task.records == build_task("arithmetic", num_prompts=5, seed=7).records
+    assert task.records != build_task("arithmetic", num_prompts=5, seed=8).records
