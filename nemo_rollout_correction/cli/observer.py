@@ -13,8 +13,7 @@ from typing import Any
 
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.tracking import MlflowTracker
-from nemo_rollout_correction.tracking.review import RewardHistory, TokenReview, log_review_artifacts
-from nemo_rollout_correction.tracking.tables import SequenceReview
+from nemo_rollout_correction.tracking.review import RewardHistory, SequenceReview, TokenReview, log_review_artifacts
 from nemo_rollout_correction.trainer.observer import StepReview
 
 

@@ -26,8 +26,11 @@ from nemo_rollout_correction.tracking import (  # noqa: E402
     pending_records,
     replay_buffer,
 )
-from nemo_rollout_correction.tracking.review import RewardHistory, log_review_artifacts  # noqa: E402
-from nemo_rollout_correction.tracking.tables import SequenceReview  # noqa: E402
+from nemo_rollout_correction.tracking.review import (  # noqa: E402
+    RewardHistory,
+    SequenceReview,
+    log_review_artifacts,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the mlflow_server helper next to this file
 from mlflow_server import MlflowServer, free_port  # noqa: E402

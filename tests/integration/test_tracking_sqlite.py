@@ -25,7 +25,7 @@ from nemo_rollout_correction.tracking import (
     pending_records,
     replay_buffer,
 )
-from nemo_rollout_correction.tracking.journal import Journal
+from nemo_rollout_correction.tracking.delivery import Journal
 from nemo_rollout_correction.tracking.replay import main as replay_main
 
 pytestmark = pytest.mark.integration
@@ -137,8 +137,7 @@ def test_a_failing_review_write_is_logged_and_training_goes_on(
     tmp_path: Path, store, caplog: pytest.LogCaptureFixture
 ) -> None:
     pytest.importorskip("matplotlib")
-    from nemo_rollout_correction.tracking.review import log_review_artifacts
-    from nemo_rollout_correction.tracking.tables import SequenceReview
+    from nemo_rollout_correction.tracking.review import SequenceReview, log_review_artifacts
 
     _, uri, _ = store
     sequences = SequenceReview.create(

@@ -1,4 +1,4 @@
-"""Delivery policy (tracking/delivery.py, sender.py): fail-fast HTTP settings, outage vs refusal, and a sender
+"""Delivery policy (tracking/delivery.py: delivery and sender): fail-fast HTTP settings, outage vs refusal, and a sender
 that keeps everything while the store is unreachable (a real MlflowClient against a closed local port)."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import pytest
 mlflow_exceptions = pytest.importorskip("mlflow.exceptions")
 
 from nemo_rollout_correction.tracking.delivery import (  # noqa: E402
+    BufferedSender,
     Deliverer,
     DeliveryError,
+    Journal,
     bound_http_requests,
     classify,
 )
-from nemo_rollout_correction.tracking.journal import Journal  # noqa: E402
-from nemo_rollout_correction.tracking.sender import BufferedSender  # noqa: E402
 
 
 def _closed_port_uri() -> str:

@@ -1,4 +1,4 @@
-"""The on-disk delivery journal (tracking/journal.py): append, ack, pending, reject, compaction, crash leftovers."""
+"""The on-disk delivery journal (tracking/delivery.py): append, ack, pending, reject, compaction, crash leftovers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rollout_correction.tracking.journal import Journal
+from nemo_rollout_correction.tracking.delivery import Journal
 
 
 def _metrics(step: int, **values: float) -> dict:

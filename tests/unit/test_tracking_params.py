@@ -1,4 +1,4 @@
-"""Config flattening and MLflow name/size rules (tracking/params.py): pure functions, hand-derived expectations."""
+"""Config flattening and MLflow name/size rules (tracking/tracker.py): pure functions, hand-derived expectations."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_rollout_correction.tracking.params import (
+from nemo_rollout_correction.tracking.tracker import (
     MAX_KEY_LENGTH,
     MAX_PARAM_VALUE_LENGTH,
     TRUNCATION_MARKER,

@@ -1,4 +1,4 @@
-"""Review helpers (tracking/plots.py, tables.py, review.py): real PNG and Parquet files, read back."""
+"""Review helpers (tracking/review.py: plots, worst-sequences table, review step): real PNG and Parquet files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import torch
 pytest.importorskip("matplotlib")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from nemo_rollout_correction.tracking.plots import (  # noqa: E402
+from nemo_rollout_correction.tracking.review import (  # noqa: E402  # noqa: E402  # noqa: E402
+    COLUMNS,
+    KL_LABEL,
+    RewardHistory,
+    SequenceReview,
+    TokenReview,
     figure_is_weight_histogram,
     figure_mismatch_by_position,
     figure_mismatch_vs_length,
@@ -21,14 +26,10 @@ from nemo_rollout_correction.tracking.plots import (  # noqa: E402
     plot_mismatch_vs_length,
     plot_reward_curve,
     plot_token_probabilities,
-)
-from nemo_rollout_correction.tracking.review import (  # noqa: E402
-    KL_LABEL,
-    RewardHistory,
-    TokenReview,
+    worst_order,
     write_review_artifacts,
+    write_worst_sequences,
 )
-from nemo_rollout_correction.tracking.tables import COLUMNS, SequenceReview, worst_order, write_worst_sequences  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

