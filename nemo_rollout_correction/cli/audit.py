@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nemo_rollout_correction.cli.preflight import add_config_dir_argument, check_media_packages
-from nemo_rollout_correction.config import ConfigError, load_config
+from nemo_rollout_correction.config import ConfigError, load_config, to_dict
+from nemo_rollout_correction.config.redaction import secret_values
+from nemo_rollout_correction.trainer.console import Console, set_current
 
 
 def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config_dir: str | None = None) -> int:
@@ -30,11 +32,16 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config
     if problem:
         print(problem, file=sys.stderr)
         return 2
+    # Progress and errors go through the trainer's console (stderr, credentials redacted, main rank only);
+    # the report itself is the command's result and goes to stdout.
+    console = Console(secrets=secret_values(to_dict(cfg)))
+    set_current(console)
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
     from nemo_rollout_correction.trainer.audit import format_comparison, format_report, run_audit
 
     runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
                            cfg.policy.context_parallel_size)
+    console.is_main = runtime.is_main
     tracker = None
     try:
         if runtime.is_main and cfg.tracking.tracking_uri:
@@ -46,9 +53,9 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config
             try:
                 tracker.start()
             except TrackingUnavailableError as exc:
-                print(f"nrc audit: {exc}", file=sys.stderr)
+                console.print(f"nrc audit: {exc}")
                 return 3
-        reports = run_audit(cfg, runtime, log=lambda m: print(m, file=sys.stderr, flush=True))
+        reports = run_audit(cfg, runtime, log=console.print)
         if not runtime.is_main:
             return 0
         for report in reports:
@@ -59,8 +66,6 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config
         if json_path:
             Path(json_path).write_text(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
         if tracker is not None:
-            from nemo_rollout_correction.config import to_dict
-
             tracker.log_config(to_dict(cfg))
             for step, report in enumerate(reports):
                 tracker.log_metrics(report.flat_metrics(), step=step)
@@ -72,12 +77,14 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config
             tracker = None
         return 0
     except Exception as exc:
-        print(f"nrc audit: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        console.is_main = True  # a failure is reported by whichever rank hit it
+        console.print(f"nrc audit: failed: {type(exc).__name__}: {exc}")
         return 1
     finally:
         if tracker is not None:
             tracker.close("FAILED")
         shutdown_runtime()
+        set_current(None)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

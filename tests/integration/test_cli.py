@@ -53,3 +53,13 @@ def test_presets_lists_every_preset() -> None:
 
     listed = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
     assert listed == RolloutCorrectionConfig.preset_names()
+
+
+def test_audit_reports_a_failure_through_the_console(tmp_path: Path) -> None:
+    # A checkpoint path that does not exist fails inside the audit, after the runtime started; the message
+    # goes through the trainer's console (stderr, redacted) and the exit status is 1.
+    missing = tmp_path / "no_such_checkpoint"
+    proc = _nrc("audit", f"model.source={missing}", f"run.output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 1, proc.stderr
+    assert "nrc audit: failed:" in proc.stderr and "no_such_checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -83,7 +83,7 @@ def test_broken_torchvision_gives_the_one_line_fix(tmp_path: Path) -> None:
 
 
 def test_config_dir_option_is_accepted(tmp_path: Path, capsys: object) -> None:
-    # docs/configuration.md documents `--config-dir DIR`; nrc train/audit/config show accept it.
+    # docs/configuration.md documents `--config-dir DIR`; nrc train/audit/config show/launch accept it.
     from nemo_rollout_correction.cli import build_parser, main
 
     (tmp_path / "model").mkdir()
@@ -93,3 +93,6 @@ def test_config_dir_option_is_accepted(tmp_path: Path, capsys: object) -> None:
     for command in (["train"], ["audit"]):
         args = build_parser().parse_args([*command, "--config-dir", str(tmp_path), "model=mine"])
         assert args.config_dir == str(tmp_path)
+    # nrc launch composes with it too and hands it to every rank's nrc train (absolute path).
+    assert main(["launch", "--config-dir", str(tmp_path), "model=mine", "--print-torchrun"]) == 0
+    assert f"nrc train --config-dir {tmp_path.resolve()} model=mine" in capsys.readouterr().out  # type: ignore[attr-defined]
