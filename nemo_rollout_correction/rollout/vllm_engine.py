@@ -161,13 +161,11 @@ class RolloutBatch:
             "response_lengths": torch.tensor([len(s.token_ids) for s in self.samples], dtype=torch.int64),
             "prompt_lengths": torch.tensor([len(s.prompt_token_ids) for s in self.samples], dtype=torch.int64),
         }
-        routed = [s.routed_experts for s in self.samples]
-        if routed and all(r is not None for r in routed):
-            shape = routed[0].shape[1:]  # type: ignore[union-attr]
-            table = torch.full((count, width, *shape), -1, dtype=torch.int16)
-            for row, r in enumerate(routed):
-                assert r is not None
-                table[row, : r.shape[0]] = r
+        tables = [s.routed_experts for s in self.samples if s.routed_experts is not None]
+        if tables and len(tables) == count:
+            table = torch.full((count, width, *tables[0].shape[1:]), -1, dtype=torch.int16)
+            for row, routing in enumerate(tables):
+                table[row, : routing.shape[0]] = routing
             out["routed_experts"] = table
         return out
 

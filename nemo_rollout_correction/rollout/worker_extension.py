@@ -79,7 +79,7 @@ class RefitExtension:
             if module.is_monolithic or not isinstance(module.router, BaseRouter):
                 raise RuntimeError(f"routing capture: MoE layer {module.layer_name} routes inside a monolithic "
                                    f"kernel or with router {type(module.router).__name__}: no capture hook")
-        recorder = RoutingRecorder([int(m.layer_id) for m in moe], int(moe[0].router.top_k))
+        recorder = RoutingRecorder([int(m.layer_id) for m in moe], int(getattr(moe[0].router, "top_k")))  # noqa: B009 (typed as the base router)
         for module in moe:
             module.router.set_capture_fn(recorder.capture_fn(int(module.layer_id)))
         original = runner.execute_model
