@@ -165,3 +165,56 @@ def test_train_r3_logs_router_agreement(moe_dir: Path, tmp_path: Path) -> None:
     (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert 0.0 <= metrics["rollout/router_agreement"] <= 1.0
     print(f"nrc train r3: rollout/router_agreement {metrics['rollout/router_agreement']:.4f}")
+
+
+def _layout_microbatches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 500, (rows, width), generator=generator) for rows, width in ((3, 11), (2, 17))]
+
+
+def _expected_map(routing: torch.Tensor, layer: int, positions: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[rows, len(positions), experts]` bool: the replayed experts (0..topk-1 where no routing exists)."""
+    rows, width = routing.shape[:2]
+    picked = torch.full((rows, len(positions), routing.shape[-1]), -1, dtype=torch.int64)
+    inside = positions < width
+    picked[:, inside] = routing[:, positions[inside], layer].long()
+    fallback = torch.arange(routing.shape[-1]).expand_as(picked)
+    picked = torch.where(picked[..., :1] >= 0, picked, fallback)
+    return torch.zeros(rows, len(positions), num_experts, dtype=torch.bool).scatter_(2, picked, True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("pp", "cp"), [pytest.param(2, 1, id="pp2"), pytest.param(1, 2, id="cp2")])
+def test_routing_replay_layouts_match_one_rank(moe_dir: Path, pp: int, cp: int) -> None:
+    """PP: each stage replays its own layers' columns; CP: each rank its token share. Same routing, scores,
+    gradients and agreement as the one-rank run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    import dist_harness
+    import routing_replay_worker as rw
+
+    microbatches = _layout_microbatches()
+    routing = rw.synthetic_routing(microbatches, num_layers=2, num_experts=4, topk=2)
+    (reference,) = dist_harness.launch(rw.worker, 1, str(moe_dir), microbatches, routing, 1, timeout=300.0)
+    ranks = dist_harness.launch(rw.worker, pp * cp, str(moe_dir), microbatches, routing, cp, timeout=300.0)
+    assert 0.0 < reference["agreement"]["rollout/router_agreement"] < 1.0  # random routing: some agree
+    layers_seen: set[int] = set()
+    for result in [reference, *ranks]:
+        for phase in ("score_maps", "train_maps"):
+            for layer, maps in result[phase].items():
+                layers_seen.add(layer)
+                assert len(maps) == len(microbatches)
+                for mb, used in enumerate(maps):
+                    positions = result["positions"][mb]
+                    rows = microbatches[mb].shape[0]
+                    used = used.view(len(positions), rows, -1).transpose(0, 1)
+                    assert torch.equal(used, _expected_map(routing[mb], layer, positions, 4)), (phase, layer, mb)
+        assert result["agreement"] == pytest.approx(reference["agreement"], rel=1e-12)
+    assert layers_seen == {0, 1}
+    for result in ranks:
+        for i, (got, want) in enumerate(zip(result["scored"], reference["scored"], strict=True)):
+            if cp > 1:
+                keep = result["positions"][i] < want.shape[1]
+                got, want = got[:, keep], want[:, result["positions"][i][keep]]
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, reference["grads"][name], atol=1e-6, rtol=1e-5)
