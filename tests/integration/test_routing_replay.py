@@ -6,7 +6,9 @@
 - bf16 engine against the fp32 trainer (`nrc audit`'s R3 report, `run_audit`): the agreement lies in [0, 1]
   and the mismatch KL is lower with replay than without, on the same sampled tokens;
 - `nrc train rollout.routing_replay=r3` for one step: `rollout/router_agreement` in metrics.jsonl;
-- refusal of r3 for a dense model, naming the key.
+- refusal of r3 for a dense model, naming the key;
+- PP=2 and CP=2 on gloo (`routing_replay_worker`): the same synthetic routing replayed per global layer and per
+  CP token share, with the one-rank run's scores, gradients and agreement.
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ def _expected_map(routing: torch.Tensor, layer: int, positions: torch.Tensor, nu
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("pp", "cp"), [pytest.param(2, 1, id="pp2"), pytest.param(1, 2, id="cp2")])
+@pytest.mark.parametrize(("pp", "cp"), [pytest.param(2, 1, id="pp2"),
+                                       pytest.param(1, 2, id="cp2", marks=pytest.mark.slow)])
 def test_routing_replay_layouts_match_one_rank(moe_dir: Path, pp: int, cp: int) -> None:
     """PP: each stage replays its own layers' columns; CP: each rank its token share. Same routing, scores,
     gradients and agreement as the one-rank run."""
