@@ -47,13 +47,15 @@ def megatron_state(megatron_runtime: Any) -> None:
     assert ps.get_tensor_model_parallel_world_size() == 1
 
 
+def _write_moe(root: Path, kind: str) -> Path:
+    tokenizer_dir = tiny_llama_dir(root / "tokenizer", vocab_size=512)
+    hf_dir, _ = tiny_families.write_tiny(kind, False, root / kind, vocab_size=512, tokenizer_dir=tokenizer_dir)
+    return hf_dir
+
+
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("moe")
-    tokenizer_dir = tiny_llama_dir(root / "tokenizer", vocab_size=512)
-    hf_dir, _ = tiny_families.write_tiny("qwen3_moe", False, root / "qwen3_moe", vocab_size=512,
-                                         tokenizer_dir=tokenizer_dir)
-    return hf_dir
+    return _write_moe(tmp_path_factory.mktemp("moe"), "qwen3_moe")
 
 
 def _prompts() -> list[list[int]]:
@@ -74,7 +76,11 @@ def _record_router_maps(policy: MegatronPolicy) -> list[list[torch.Tensor]]:
     return maps
 
 
-def test_r3_trainer_uses_vllm_experts_for_every_token_and_layer(megatron_state: None, moe_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_r3_trainer_uses_vllm_experts_for_every_token_and_layer(megatron_state: None, moe_dir: Path, tmp_path: Path,
+                                                                 kind: str) -> None:
+    if kind != "qwen3_moe":
+        moe_dir = _write_moe(tmp_path, kind)
     policy = MegatronPolicy.from_hf(moe_dir, routing_replay=True)
     assert policy.routing is not None
     maps = _record_router_maps(policy)
@@ -115,7 +121,7 @@ def test_r3_trainer_uses_vllm_experts_for_every_token_and_layer(megatron_state: 
     max_plain, _ = logprob_diff(plain)
     max_replayed, _ = logprob_diff(replayed)
     assert max_plain < 1e-4 and max_replayed < 1e-4, (max_plain, max_replayed)
-    print(f"R3 fp32: {checked} token-layer decisions replayed exactly; agreement {report['router_agreement']}; "
+    print(f"R3 fp32 {kind}: {checked} token-layer decisions replayed exactly; agreement {report['router_agreement']}; "
           f"max |diff| without {max_plain:.2e}, with {max_replayed:.2e}")
 
 
