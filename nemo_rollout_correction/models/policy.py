@@ -37,6 +37,7 @@ from nemo_rollout_correction.models.hf_llama import (
     transformer_config,
 )
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask, seed_model_parallel
+from nemo_rollout_correction.models.routing_replay import RoutingReplay, check_moe_for_replay, routing_replay_fields
 from nemo_rollout_correction.models.schedule import run_microbatches
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,6 +65,8 @@ class MegatronPolicy:
     """Whether this rank holds the last pipeline stage (the output layer: logits and logprobs)."""
     lm_head_fp32: bool = False
     """Whether the output layer runs in fp32 (`use_fp32_lm_head`)."""
+    routing: RoutingReplay | None = None
+    """Rollout routing replay of this MoE model (`from_hf(routing_replay=True)`), else None."""
 
     @property
     def tp_size(self) -> int:
@@ -77,12 +80,13 @@ class MegatronPolicy:
 
     @classmethod
     def from_hf(cls, hf_dir: str | Path, *, params_dtype: str | torch.dtype = "float32", seed: int = 1234,
-                use_transformer_engine: bool | None = None) -> MegatronPolicy:
+                use_transformer_engine: bool | None = None, routing_replay: bool = False) -> MegatronPolicy:
         """Build this rank's model stage for `parallel_state`'s TP/PP sizes and load the HF weights.
 
         `megatron.core.parallel_state` must be initialised (also for one process). Every rank reads from the
         Hugging Face safetensors files only the tensor slices its own shard needs (on a cluster they sit on
-        a shared filesystem).
+        a shared filesystem). `routing_replay=True` (MoE only) builds the routers with Megatron's `RouterReplay`
+        and wires `models.routing_replay.RoutingReplay` into the model (`self.routing`).
         """
         from megatron.core import parallel_state as ps
 
@@ -93,8 +97,11 @@ class MegatronPolicy:
         cp = ps.get_context_parallel_world_size()
         dtype = parse_dtype(params_dtype)
         seed_model_parallel(seed)
+        if routing_replay:
+            check_moe_for_replay(arch.num_experts, arch.architecture)
         config = transformer_config(arch, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                    context_parallel_size=cp, params_dtype=dtype)
+                                    context_parallel_size=cp, params_dtype=dtype,
+                                    **(routing_replay_fields() if routing_replay else {}))
         last = bool(ps.is_pipeline_last_stage())
         # With PP > 1 and tied embeddings Megatron syncs the last stage's embedding copy at construction,
         # via Tensor.cuda(): the CPU mode keeps it on the CPU.
@@ -104,7 +111,9 @@ class MegatronPolicy:
         with SafetensorsCheckpoint(hf_dir) as checkpoint:
             load_hf_weights(model, checkpoint, arch, tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp)
         group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-        return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp, is_last_stage=last)
+        routing = RoutingReplay.for_model(model) if routing_replay else None
+        return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp, is_last_stage=last,
+                   routing=routing)
 
     def use_fp32_lm_head(self) -> MegatronPolicy:
         """Compute the output layer (and so the logits and logprobs) in fp32 under a bf16/fp16 policy.

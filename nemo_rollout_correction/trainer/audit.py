@@ -10,7 +10,9 @@ reports:
   `ppl_ratio`, token-ratio quantiles, ...), computed as in training (metrics-only, nothing applied);
 - per preset: the fraction of tokens it would truncate, reject (rejection sampling, veto, non-finite) and
   keep, and the fraction of sequences it would drop;
-- the worst sequences by max |token log ratio|, with their text.
+- the worst sequences by max |token log ratio|, with their text;
+- with `rollout.routing_replay=r3` (MoE): the router agreement (`rollout/router_agreement`) and the mismatch
+  with and without replaying the rollout's routing (the same tokens re-scored twice).
 
 It is the same data path as the trainer (rollout engine -> token ids -> `MegatronPolicy.token_logprobs`),
 so a clean audit means the training run starts on-policy up to numerics.
@@ -35,6 +37,7 @@ from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_sta
 from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.trainer import routing_replay
 from nemo_rollout_correction.trainer.scoring import score_microbatches, sequence_log_ratios
 from nemo_rollout_correction.trainer.settings import (
     broadcast_rollouts,
@@ -89,6 +92,9 @@ class AuditReport:
     seconds: dict[str, float]
     trainer_dtype: str = "float32"
     lm_head_fp32: bool = False
+    routing: dict[str, float] = field(default_factory=dict)
+    """With routing replay: `router_agreement` and the mismatch with replay (`max_abs_logprob_diff`,
+    `mean_abs_logprob_diff`, `kl`, `k3_kl`); the report's other fields are without replay."""
 
     @property
     def setting(self) -> str:
@@ -108,6 +114,7 @@ class AuditReport:
         out.update(self.metrics)
         for name, values in self.presets.items():
             out.update({f"audit_preset/{name}/{k}": v for k, v in values.items()})
+        out.update({f"audit_r3/{k}": v for k, v in self.routing.items()})
         return out
 
 
@@ -126,22 +133,34 @@ def rescore(
     pad_token_id: int = 0,
     micro_batch_size: int = 16,
     groups: ParallelGroups | None = None,
+    replay_routing: bool = False,
 ) -> AuditData:
     """Re-score `batch`'s tokens with `policy` on every rank (any TP/PP/CP layout); every rank must call it.
 
     The whole batch goes through Megatron's schedule on every pipeline (TP ranks share the vocab-parallel
     logprobs, CP ranks one token share each, the last stage's scores are sent to the others). `groups`
-    defaults to Megatron's parallel state.
+    defaults to Megatron's parallel state. `replay_routing`: replay the batch's captured MoE routing (the
+    policy built with `routing_replay=True`); otherwise the policy routes with its own routers.
     """
     groups = groups if groups is not None else ParallelGroups.from_megatron()
     tensors = batch.to_tensors(pad_token_id)
     start = time.perf_counter()
     ids = tensors["input_ids"]
-    chunks = [ids[lo : lo + micro_batch_size] for lo in range(0, ids.shape[0], micro_batch_size)]
+    starts = range(0, ids.shape[0], micro_batch_size)
+    chunks = [ids[lo : lo + micro_batch_size] for lo in starts]
+    if policy.routing is not None:
+        routing_replay.begin_step(policy)
     if groups.cp_size == 1:
+        if replay_routing:
+            for lo, chunk in zip(starts, chunks, strict=True):
+                routing_replay.attach_microbatch(policy, tensors, torch.arange(lo, lo + len(chunk)), chunk, None)
         scored = score_microbatches(policy, chunks, replay)
     else:
         shards = [shard_next_token_batch(c, {}, groups.cp_size, groups.cp_rank, pad_id=pad_token_id) for c in chunks]
+        if replay_routing:
+            for lo, shard in zip(starts, shards, strict=True):
+                routing_replay.attach_microbatch(policy, tensors, torch.arange(lo, lo + len(shard.input_ids)),
+                                                 shard.input_ids, shard.position_ids)
         scored = score_microbatches(policy, [s.input_ids for s in shards], replay, labels=[s.labels for s in shards],
                                     position_ids=[s.position_ids for s in shards])
         if scored is not None:  # whole sequences back from every CP rank's share
@@ -279,6 +298,15 @@ def format_report(report: AuditReport) -> str:
         value = report.metrics.get(f"rollout_corr/{key}")
         if value is not None:
             lines.append(f"  {key:<20} {value: .4e}")
+    if report.routing:
+        r, k3 = report.routing, report.metrics.get("rollout_corr/k3_kl", float("nan"))
+        lines += ["", f"routing replay (R3): router agreement {r['router_agreement']:.4f} "
+                      "(trainer's own expert set = the rollout's, per token and MoE layer)",
+                  f"  {'':<16} {'max |diff|':>11} {'mean |diff|':>11} {'k3_kl':>11}",
+                  f"  {'without replay':<16} {report.max_abs_logprob_diff:>11.3e} "
+                  f"{report.mean_abs_logprob_diff:>11.3e} {k3:>11.3e}",
+                  f"  {'with replay':<16} {r['max_abs_logprob_diff']:>11.3e} {r['mean_abs_logprob_diff']:>11.3e} "
+                  f"{r['k3_kl']:>11.3e}"]
     lines += ["", f"{'preset':<28} {'truncated':>10} {'rejected':>10} {'veto':>8} {'kept':>8} {'seq drop':>9}"]
     for name, v in report.presets.items():
         lines.append(
@@ -362,10 +390,11 @@ def run_audit(
         cfg, lambda text: tokenize_prompt(tokenizer, text, cfg.task.use_chat_template), cfg.audit.num_prompts
     )
     engine_dtypes, trainer_settings = audit_settings(cfg)
+    r3 = cfg.rollout.routing_replay == "r3"
     policies: dict[tuple[str, bool], tuple[MegatronPolicy, float]] = {}
     for dtype, head in trainer_settings:
         start = time.perf_counter()
-        policy = MegatronPolicy.from_hf(hf_dir, params_dtype=dtype, seed=cfg.run.seed)
+        policy = MegatronPolicy.from_hf(hf_dir, params_dtype=dtype, seed=cfg.run.seed, routing_replay=r3)
         if head:
             policy.use_fp32_lm_head()
         policies[(dtype, head)] = (policy, time.perf_counter() - start)
@@ -387,19 +416,38 @@ def run_audit(
                 log(f"[nrc audit] re-scoring with the {dtype} trainer{' (fp32 lm_head)' if head else ''}")
             data = rescore(policy, batch, replay_options(cfg), pad_token_id=pad,
                            micro_batch_size=cfg.policy.micro_batch_size, groups=runtime.groups)
-            reports.append(
-                build_report(
-                    data,
-                    model=cfg.model.source,
-                    rollout_dtype=engine_dtype,
-                    presets=presets,
-                    worst=cfg.audit.worst_sequences,
-                    seconds={"policy_build": build_seconds, **engine_seconds},
-                    trainer_dtype=dtype,
-                    lm_head_fp32=head,
-                )
+            report = build_report(
+                data,
+                model=cfg.model.source,
+                rollout_dtype=engine_dtype,
+                presets=presets,
+                worst=cfg.audit.worst_sequences,
+                seconds={"policy_build": build_seconds, **engine_seconds},
+                trainer_dtype=dtype,
+                lm_head_fp32=head,
             )
+            if r3:
+                replayed = rescore(policy, batch, replay_options(cfg), pad_token_id=pad,
+                                   micro_batch_size=cfg.policy.micro_batch_size, groups=runtime.groups,
+                                   replay_routing=True)
+                report.routing = routing_report(policy, replayed, runtime.groups)
+            reports.append(report)
     return reports
+
+
+def routing_report(policy: MegatronPolicy, replayed: AuditData, groups: ParallelGroups) -> dict[str, float]:
+    """The R3 part of a report from a re-scoring with replayed routing (every rank must call it)."""
+    agreement = routing_replay.router_agreement_metrics(policy, groups)
+    max_diff, mean_diff = logprob_diff(replayed)
+    metrics = compute_rollout_correction(replayed.old_logprobs, replayed.rollout_logprobs, replayed.loss_mask,
+                                         RolloutCorrectionConfig.from_preset("disabled")).metrics
+    return {
+        "router_agreement": agreement.get(routing_replay.ROUTER_AGREEMENT, float("nan")),
+        "max_abs_logprob_diff": max_diff,
+        "mean_abs_logprob_diff": mean_diff,
+        "kl": float(metrics["rollout_corr/kl"]),
+        "k3_kl": float(metrics["rollout_corr/k3_kl"]),
+    }
 
 
 __all__ = [
@@ -416,6 +464,7 @@ __all__ = [
     "logprob_diff",
     "preset_effects",
     "rescore",
+    "routing_report",
     "run_audit",
     "worst_sequences",
 ]

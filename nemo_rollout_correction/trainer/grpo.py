@@ -77,7 +77,7 @@ from nemo_rollout_correction.models.schedule import run_microbatches
 from nemo_rollout_correction.models.sources import resolve_model_source
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
 from nemo_rollout_correction.trainer import checkpoint as ckpt
-from nemo_rollout_correction.trainer import console
+from nemo_rollout_correction.trainer import console, routing_replay
 from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter, collect_step_rollouts
@@ -189,7 +189,8 @@ class GrpoTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.hf_dir))
         self.pad_id = pad_token_id(self.tokenizer)
         start = time.perf_counter()
-        self.policy = MegatronPolicy.from_hf(self.hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
+        self.policy = MegatronPolicy.from_hf(self.hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                             routing_replay=cfg.rollout.routing_replay == "r3")
         if cfg.policy.lm_head_fp32:
             self.policy.use_fp32_lm_head()
         self.reference: MegatronPolicy | None = None
@@ -346,6 +347,7 @@ class GrpoTrainer:
                 )
                 mb.input_ids, mb.labels, mb.position_ids = shard.input_ids, shard.labels, shard.position_ids
                 mb.rollout_logprobs, mb.loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
+            routing_replay.attach_microbatch(self.policy, tensors, idx, mb.input_ids, mb.position_ids)
             out.append(mb)
         return out
 
@@ -390,6 +392,7 @@ class GrpoTrainer:
             tensors["loss_mask"], filter_metrics = apply_overlong_filter(tensors["loss_mask"], batch, self.dapo)
             if rollouts.skip_update:  # no group to learn from: no optimizer step (Adam would still move weights)
                 return self._finish_step(batch, reward_t, [], None, {**rollouts.metrics, **filter_metrics})
+            routing_replay.begin_step(self.policy)
             mini_batches = self._mini_batches(tensors, advantages)
             every = [mb for mini in mini_batches for mb in mini]
             self.policy.model.train()
@@ -411,7 +414,8 @@ class GrpoTrainer:
         """Count the step, then report its metrics (`metrics.jsonl`, the observer); returns them."""
         self.step_index += 1
         self._timings.setdefault("step", sum(self._timings.values()))  # a skipped update leaves the timer early
-        metrics = {**self._metrics(batch, rewards, updates, self._timings), **extra}
+        metrics = {**self._metrics(batch, rewards, updates, self._timings), **extra,
+                   **routing_replay.router_agreement_metrics(self.policy, self.groups)}
         if not self.observer.wants_review(self.step_index):
             review = None
         self.write_metrics(metrics)

@@ -39,6 +39,7 @@ def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None) -
         seed=cfg.rollout_seed,
         tensor_parallel_size=r.tensor_parallel_size,
         batch_invariant=r.batch_invariant,
+        capture_routing=r.routing_replay == "r3",
     )
 
 
