@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from nemo_rollout_correction.config.schema import (
     AuditConfig,
     CheckpointConfig,
+    EvalConfig,
+    ExportConfig,
     ConfigError,
     GRPOConfig,
     LauncherConfig,
@@ -29,6 +31,8 @@ from nemo_rollout_correction.config.schema import (
 __all__ = [
     "AuditConfig",
     "CheckpointConfig",
+    "EvalConfig",
+    "ExportConfig",
     "ConfigError",
     "GRPOConfig",
     "LauncherConfig",
