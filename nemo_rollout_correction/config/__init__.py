@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from nemo_rollout_correction.config.schema import (
     AuditConfig,
     CheckpointConfig,
+    ConfigError,
     EvalConfig,
     ExportConfig,
-    ConfigError,
     GRPOConfig,
     LauncherConfig,
     ModelConfig,
@@ -31,9 +31,9 @@ from nemo_rollout_correction.config.schema import (
 __all__ = [
     "AuditConfig",
     "CheckpointConfig",
+    "ConfigError",
     "EvalConfig",
     "ExportConfig",
-    "ConfigError",
     "GRPOConfig",
     "LauncherConfig",
     "ModelConfig",
