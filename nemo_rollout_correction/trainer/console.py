@@ -225,7 +225,7 @@ class RunSummary:
         if self.last_eval is not None:
             step, m = self.last_eval
             passes = "".join(f", {k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(m.items())
-                             if k.startswith("eval/pass@"))
+                             if k.startswith("eval/pass_at_"))
             greedy = f", greedy reward {m['eval/greedy_reward_mean']:.3f}" if "eval/greedy_reward_mean" in m else ""
             reward = m.get("eval/reward_mean", math.nan)
             out.append(f"  last eval       step {step}: reward {reward:.3f}{passes}{greedy}")

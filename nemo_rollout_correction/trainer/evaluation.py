@@ -7,7 +7,7 @@ response, scores them with the task's reward function (the reward pool when `tas
 returns the `eval/*` metrics:
 
 - `eval/reward_mean`, `eval/reward_std`, `eval/response_length_mean`, `eval/truncated_fraction` (sampled);
-- `eval/pass@1` and `eval/pass@<num_samples>` (unbiased estimator, `core.pass_at_k`) when the task has a
+- `eval/pass_at_1` and `eval/pass_at_<num_samples>` (unbiased estimator, `core.pass_at_k`) when the task has a
   notion of a correct answer (`Task.success_threshold` or `eval.success_threshold`);
 - `eval/greedy_reward_mean`, `eval/greedy_response_length_mean`, `eval/greedy_accuracy` (with a notion of
   correctness);
@@ -126,7 +126,7 @@ def summarize(rewards: Sequence[float], lengths: Sequence[int], truncated: Seque
         correct = (reward_t >= success_threshold).reshape(num_prompts, num_samples).sum(-1)
         n = torch.full((num_prompts,), num_samples)
         for k in sorted({1, num_samples}):
-            metrics[f"eval/pass@{k}"] = pass_at_k_mean(n, correct, k)
+            metrics[f"eval/pass_at_{k}"] = pass_at_k_mean(n, correct, k)
     return metrics
 
 
@@ -161,7 +161,7 @@ def format_eval(metrics: dict[str, float]) -> str:
     """One progress line of an evaluation."""
     parts = [f"reward {metrics['eval/reward_mean']:.3f}"]
     parts += [f"{key.removeprefix('eval/')} {value:.3f}" for key, value in sorted(metrics.items())
-              if key.startswith("eval/pass@")]
+              if key.startswith("eval/pass_at_")]
     if "eval/greedy_reward_mean" in metrics:
         parts.append(f"greedy reward {metrics['eval/greedy_reward_mean']:.3f}")
     parts.append(f"len {metrics['eval/response_length_mean']:.1f}")
