@@ -40,6 +40,17 @@ def resolve_step_dir(source: Path) -> Path:
                             "checkpoints/step_<N>/meta.json)")
 
 
+def _without_redacted(tree: Any) -> Any:
+    """The saved config without the values redaction replaced (they take their defaults): the redaction of
+    checkpoint metadata also hides harmless keys whose names look secret (`..._token_...`), and none of
+    them matters to an export (model, dtype, layout)."""
+    from nemo_rollout_correction.config.redaction import REDACTED
+
+    if isinstance(tree, dict):
+        return {key: _without_redacted(value) for key, value in tree.items() if value != REDACTED}
+    return tree
+
+
 def _load_checkpoint_weights(step_dir: Path, policy: Any, meta: dict[str, Any]) -> None:
     """Load the model weights of the checkpoint in `step_dir` into `policy`, built at world size 1.
 
@@ -78,7 +89,7 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         step_dir = resolve_step_dir(Path(args.source))
         meta = ckpt.load_meta(step_dir)
-        cfg = from_dict(meta["config"])
+        cfg = from_dict(_without_redacted(meta["config"]))
         dtype = args.dtype or cfg.export.dtype
         max_shard_size = args.max_shard_size or cfg.export.max_shard_size
         from nemo_rollout_correction.models.hf_export import export_dtype, shard_size_bytes
