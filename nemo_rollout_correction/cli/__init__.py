@@ -5,6 +5,7 @@ Subcommands:
   nrc audit         measure the rollout/trainer mismatch of a model + engine + dtype before a long run
   nrc config show   print the resolved training configuration (after overrides)
   nrc launch        run `nrc train` under torchrun locally or on Slurm (NeMo-Run)
+  nrc export        write a run's checkpoint as a Hugging Face model (safetensors, tokenizer, chat template)
   nrc demo          every preset applied to generated rollouts with a real bf16-vs-fp32 mismatch
   nrc presets       list the presets and their resolved fields
 """
@@ -22,6 +23,7 @@ import torch
 
 from nemo_rollout_correction import RolloutCorrectionConfig, __version__, compute_rollout_correction
 from nemo_rollout_correction.cli import audit as audit_cli
+from nemo_rollout_correction.cli import export as export_cli
 from nemo_rollout_correction.cli import train as train_cli
 from nemo_rollout_correction.cli.preflight import add_config_dir_argument
 
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train_cli.add_parser(sub)
     audit_cli.add_parser(sub)
+    export_cli.add_parser(sub)
     # `nrc launch ...` is dispatched in main() before parsing (its options belong to the launcher); this entry
     # only lists it in `nrc --help`.
     sub.add_parser("launch", help="launch nrc train with torchrun locally or on Slurm (NeMo-Run); see nrc launch -h")

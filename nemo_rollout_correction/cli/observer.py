@@ -65,6 +65,10 @@ class MlflowObserver:
             rewards=RewardHistory(self.reward_steps, self.reward_means, self.reward_stds), tokens=tokens,
             top_k=self.cfg.tracking.worst_sequences, out_dir=Path(self.cfg.run.output_dir) / "review")
 
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Log an evaluation made outside a step (before training: step 0)."""
+        self.tracker.log_metrics(metrics, step=step)
+
     def checkpoint_state(self) -> dict[str, Any]:
         """The MLflow run id (a resumed run continues it) and the reward curve so far."""
         return {"mlflow_run_id": self.tracker.run_id, "reward_steps": self.reward_steps,

@@ -122,7 +122,9 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
         summary = RunSummary.from_history(
             getattr(trainer, "step_history", []), output_dir=cfg.run.output_dir, checkpoint_dir=cfg.checkpoint_dir,
             log_path=str(log_path), mlflow_run_id=None if tracker is None else tracker.run_id,
-            tracking_uri=None if tracker is None else tracker.tracking_uri)
+            tracking_uri=None if tracker is None else tracker.tracking_uri,
+            hf_export_dir=None if trainer.hf_export_dir is None else str(trainer.hf_export_dir),
+            last_eval=trainer.last_eval)
         for line in summary.lines():
             console.print(line)
         console.print(f"[nrc train] done: {cfg.run.num_steps} steps; outputs in {cfg.run.output_dir}")

@@ -30,6 +30,8 @@ __all__ = [
     "AuditConfig",
     "CheckpointConfig",
     "ConfigError",
+    "EvalConfig",
+    "ExportConfig",
     "GRPOConfig",
     "LauncherConfig",
     "ModelConfig",
@@ -339,6 +341,54 @@ class CheckpointConfig:
         _at_least("checkpoint.keep_last", self.keep_last, 1)
 
 
+ExportDtype = Literal["float32", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Hugging Face export of the trained policy (`nrc export`, and after the last step of `nrc train`)."""
+
+    at_end: bool = _f(True, "Write a Hugging Face checkpoint to <run.output_dir>/hf after the last step.")
+    dtype: ExportDtype = _f("float32", "Dtype of the exported weights: float32 (exact) or bfloat16 (half the size).")
+    max_shard_size: str = _f("5GB", "Largest safetensors file (KB/MB/GB/TB); bigger models are split with an "
+                                    "index file.")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in get_args(ExportDtype):
+            _fail("export.dtype", self.dtype, f"allowed: {list(get_args(ExportDtype))}")
+        if not re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]?B?\s*", str(self.max_shard_size).upper()) \
+                or not any(ch in "123456789" for ch in str(self.max_shard_size)):
+            _fail("export.max_shard_size", self.max_shard_size, "a size > 0 such as 500MB or 5GB")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation on the rollout engine during `nrc train` (off by default)."""
+
+    every_n_steps: int = _f(0, "Evaluate after every N steps; 0 disables the periodic evaluation.")
+    before_train: bool = _f(False, "Evaluate once before the first step (logged as step 0).")
+    dataset: str | None = _f(None, "JSONL/JSON/Parquet file of held-out prompts (task.prompt_key/answer_key, scored "
+                                   "by the task's reward); null uses the task's held-out split.")
+    num_prompts: int = _f(16, "Held-out prompts per evaluation (the built-in tasks hold them out of training).")
+    num_samples: int = _f(4, "Sampled responses per prompt (rollout temperature/top_p/top_k); pass@k for k = 1 and "
+                             "k = num_samples.")
+    greedy: bool = _f(True, "Also decode every prompt greedily (eval/greedy_* metrics).")
+    success_threshold: float | None = _f(None, "pass@k counts a response correct when its reward >= this; null uses "
+                                               "the task's notion (arithmetic: 1.0; length_target: none).")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether `nrc train` evaluates at all."""
+        return self.every_n_steps > 0 or self.before_train
+
+    def __post_init__(self) -> None:
+        _at_least("eval.every_n_steps", self.every_n_steps, 0)
+        _at_least("eval.num_prompts", self.num_prompts, 1)
+        _at_least("eval.num_samples", self.num_samples, 1)
+        if self.success_threshold is not None and not math.isfinite(self.success_threshold):
+            _fail("eval.success_threshold", self.success_threshold, "must be a finite number or null")
+
+
 @dataclass(frozen=True)
 class LauncherConfig:
     """How `nrc launch` starts the job: processes on this machine, or a Slurm job via NeMo-Run."""
@@ -417,6 +467,8 @@ class TrainConfig:
     )
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "MLflow tracking."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+    export: ExportConfig = field(default_factory=ExportConfig, metadata={"help": "Hugging Face export."})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation during training."})
     launcher: LauncherConfig = field(default_factory=LauncherConfig, metadata={"help": "How `nrc launch` runs."})
     audit: AuditConfig = field(default_factory=AuditConfig, metadata={"help": "`nrc audit` settings."})
 

@@ -195,6 +195,10 @@ class RunSummary:
     log_path: str | None
     mlflow_run_id: str | None
     tracking_uri: str | None
+    hf_export_dir: str | None = None
+    """The Hugging Face export of the end of the run (`export.at_end`), if written."""
+    last_eval: tuple[int, Mapping[str, float]] | None = None
+    """(step, `eval/*` metrics) of the run's last evaluation, if any."""
 
     @classmethod
     def from_history(cls, history: list[Mapping[str, float]], **where: Any) -> RunSummary:
@@ -217,9 +221,17 @@ class RunSummary:
             # kl (k1) is signed and can average out; k3 is non-negative, so it shows the size of the mismatch.
             f"  mismatch        mean kl {self.kl_mean:.2e} (k3 {self.k3_kl_mean:.2e}), "
             f"mean kept fraction {self.kept_mean:.3f}",
-            f"  run directory   {self.output_dir}",
-            f"  checkpoints     {self.checkpoint_dir}",
         ]
+        if self.last_eval is not None:
+            step, m = self.last_eval
+            passes = "".join(f", {k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(m.items())
+                             if k.startswith("eval/pass_at_"))
+            greedy = f", greedy reward {m['eval/greedy_reward_mean']:.3f}" if "eval/greedy_reward_mean" in m else ""
+            reward = m.get("eval/reward_mean", math.nan)
+            out.append(f"  last eval       step {step}: reward {reward:.3f}{passes}{greedy}")
+        out += [f"  run directory   {self.output_dir}", f"  checkpoints     {self.checkpoint_dir}"]
+        if self.hf_export_dir:
+            out.append(f"  Hugging Face    {self.hf_export_dir}")
         if self.log_path:
             out.append(f"  library log     {self.log_path}")
         if self.mlflow_run_id and self.tracking_uri:

@@ -71,13 +71,14 @@ from nemo_rollout_correction.losses.step_plan import (
     microbatch_loss,
     plan_step,
 )
+from nemo_rollout_correction.models.hf_export import export_hf
 from nemo_rollout_correction.models.optimizer import OptimizerSettings, UpdateResult, build_policy_optimizer
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.schedule import run_microbatches
 from nemo_rollout_correction.models.sources import resolve_model_source
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
 from nemo_rollout_correction.trainer import checkpoint as ckpt
-from nemo_rollout_correction.trainer import console, routing_replay
+from nemo_rollout_correction.trainer import console, evaluation, routing_replay
 from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter, collect_step_rollouts
@@ -170,7 +171,7 @@ class GrpoTrainer:
         self.replay = replay_options(cfg)
 
         # The task (prompts + reward) is built on every rank: the sampler must advance identically.
-        self.task = task_from_config(cfg)
+        self.task = task_from_config(cfg, num_eval_prompts=evaluation.eval_prompt_count(cfg))
         self.sampler = PromptSampler(self.task.records, cfg.task.prompts_per_step, seed=cfg.run.seed)
         self.dapo = DapoOptions.from_config(cfg)
         seeds_per_step = ((cfg.grpo.max_refill_batches + 1) * cfg.task.prompts_per_step
@@ -230,6 +231,10 @@ class GrpoTrainer:
             self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         self.step_index = 0
         self._timings: dict[str, float] = {}  # seconds per phase of the current step (`_timed`)
+        # held-out evaluation on the engine rank (trainer/evaluation.py); the HF export of the end of the run
+        self.evaluator = evaluation.build_evaluator(cfg, self.task, self.prompt_token_ids) if runtime.is_main else None
+        self.last_eval: tuple[int, dict[str, float]] | None = None
+        self.hf_export_dir: Path | None = None
 
     # ---- properties ------------------------------------------------------------------------------
 
@@ -416,6 +421,8 @@ class GrpoTrainer:
         self._timings.setdefault("step", sum(self._timings.values()))  # a skipped update leaves the timer early
         metrics = {**self._metrics(batch, rewards, updates, self._timings), **extra,
                    **routing_replay.router_agreement_metrics(self.policy, self.groups)}
+        if evaluation.evaluates_after(self.cfg, self.step_index):
+            metrics |= self.evaluate()
         if not self.observer.wants_review(self.step_index):
             review = None
         self.write_metrics(metrics)
@@ -699,12 +706,17 @@ class GrpoTrainer:
         self._progress = (StepProgress(total, self.step_index, console.current(), self.cfg.run.log_every)
                           if self.cfg.run.progress and self.runtime.is_main else None)
         try:
+            if self.cfg.eval.before_train and self.step_index == 0:
+                self.write_metrics(before := self.evaluate())
+                self.observer.on_eval(0, before)
             while self.step_index < total:
                 last = self.step()
                 self._print_progress(last)
                 every = self.cfg.checkpoint.every_n_steps
                 if (every > 0 and self.step_index % every == 0) or self.step_index == total:
                     self.save_checkpoint()
+            if self.cfg.export.at_end:
+                self.export()
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
@@ -714,6 +726,25 @@ class GrpoTrainer:
                 self._progress.close()
             self.observer.on_end(status)
         return last
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate the engine's current weights on the held-out prompts (engine rank; {} elsewhere)."""
+        if self.evaluator is None or self.engine is None:
+            return {}
+        metrics = self.evaluator.run(self.engine)
+        self.last_eval = (self.step_index, metrics)
+        self.log(f"[nrc train] eval after step {self.step_index}: {evaluation.format_eval(metrics)}")
+        return metrics
+
+    def export(self) -> Path:
+        """Write the policy as a Hugging Face checkpoint to `<run.output_dir>/hf` (every rank joins)."""
+        out = self.output_dir / "hf"
+        self.log(f"[nrc train] exporting the policy ({self.cfg.export.dtype}) as a Hugging Face checkpoint to {out}")
+        export_hf(self.policy, out, self.groups, dtype=self.cfg.export.dtype,
+                  max_shard_size=self.cfg.export.max_shard_size)
+        barrier()
+        self.hf_export_dir = out
+        return out
 
     def _print_progress(self, m: dict[str, float]) -> None:
         self.step_history.append(m)

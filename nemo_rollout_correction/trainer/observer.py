@@ -57,6 +57,10 @@ class TrainObserver(Protocol):
     def on_step(self, step: int, metrics: dict[str, float], review: StepReview | None) -> None:
         """Step metrics (`reward/`, `loss/`, `rollout_corr/`, `timing/`, `perf/` prefixes) after step `step`."""
 
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """`eval/*` metrics of an evaluation outside a step (before training: step 0); in-step ones come
+        with `on_step`."""
+
     def checkpoint_state(self) -> dict[str, Any]:
         """State to store in checkpoints so a resumed run continues the same record (e.g. the MLflow run id)."""
 
@@ -75,6 +79,9 @@ class NullObserver:
         return False
 
     def on_step(self, step: int, metrics: dict[str, float], review: StepReview | None) -> None:
+        """Drop the metrics."""
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Drop the metrics."""
 
     def checkpoint_state(self) -> dict[str, Any]:

@@ -9,6 +9,11 @@
   else the numeric-answer reward when every record has a numeric answer.
 
 Everything is generated from ``seed`` with a local RNG: no download, same records on every rank.
+
+Held-out split (``num_eval_prompts``, the ``eval`` section): ``arithmetic`` holds out the last problems of
+its seeded shuffle and never trains on them; ``length_target`` has its own held-out instructions
+(:data:`LENGTH_TARGET_HELD_OUT_INSTRUCTIONS`), none of them a training instruction; ``dataset`` has no split
+of its own (``eval.dataset`` names a held-out file).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +39,14 @@ from nemo_rollout_correction.trainer.rewards import (
 )
 
 __all__ = [
+    "LENGTH_TARGET_HELD_OUT_INSTRUCTIONS",
     "LENGTH_TARGET_INSTRUCTIONS",
     "TASK_NAMES",
     "Task",
     "arithmetic_records",
+    "arithmetic_split",
     "build_task",
+    "length_target_held_out_records",
     "length_target_records",
     "task_from_config",
 ]
@@ -100,6 +108,26 @@ LENGTH_TARGET_INSTRUCTIONS: tuple[str, ...] = (
     "Describe a walk on the beach.",
 )
 
+# Never trained on: the held-out split of length_target (evaluation).
+LENGTH_TARGET_HELD_OUT_INSTRUCTIONS: tuple[str, ...] = (
+    "Describe a rowing boat on a lake.",
+    "Write a sentence about a volcano.",
+    "Tell me about a night market.",
+    "Describe a pair of old boots.",
+    "Write a line about morning fog.",
+    "Explain what a compass does.",
+    "Describe a kitchen at dinner time.",
+    "Write a sentence about a waterfall.",
+    "Tell me about an island.",
+    "Describe a field of sunflowers.",
+    "Write a short apology note.",
+    "Explain why bees matter.",
+    "Describe a windy harbour.",
+    "Write a sentence about a violin.",
+    "Tell me about a mountain hut.",
+    "Describe a bowl of soup.",
+)
+
 
 @dataclass(frozen=True)
 class Task:
@@ -112,12 +140,17 @@ class Task:
             :class:`~nemo_rollout_correction.trainer.reward_pool.RewardPool` around one
             (``reward_workers >= 1``); either way ``rewards.score(task.reward_fn, ...)`` scores with it.
         reward_name: ``module:qualname`` of the reward function, for logs.
+        eval_records: ``[num_eval_prompts]`` held-out prompts, disjoint from ``records`` (empty unless asked).
+        success_threshold: a completion is correct when its reward is at least this (pass@k); None when
+            the reward has no notion of correctness.
     """
 
     name: str
     records: list[PromptRecord]
     reward_fn: Callable[..., Sequence[float]]
     reward_name: str
+    eval_records: list[PromptRecord] = field(default_factory=list)
+    success_threshold: float | None = None
 
     def close(self) -> None:
         """Stop the reward worker processes, if any (a later score starts them again)."""
@@ -135,8 +168,26 @@ def arithmetic_records(
     ``num_prompts`` does not exceed the number of distinct problems; beyond that the shuffled set
     repeats. Deterministic in ``(num_prompts, max_operand, seed, operations)``.
     """
+    return arithmetic_split(num_prompts, 0, max_operand=max_operand, seed=seed, operations=operations)[0]
+
+
+def arithmetic_split(
+    num_prompts: int, num_held_out: int, max_operand: int = 10, seed: int = 0,
+    operations: Sequence[str] = ARITHMETIC_OPERATIONS,
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Training problems (as :func:`arithmetic_records`) and ``num_held_out`` distinct problems never trained on.
+
+    The held-out problems are the last ``num_held_out`` of the seeded shuffle (or, for a huge problem
+    space, drawn after the training ones); the training records cycle over the others. With
+    ``num_held_out=0`` the training records are exactly :func:`arithmetic_records`'.
+
+    Raises:
+        ValueError: a bad option, or ``num_held_out`` leaves no problem to train on.
+    """
     _check_positive("num_prompts", num_prompts)
     _check_positive("max_operand", max_operand)
+    if isinstance(num_held_out, bool) or not isinstance(num_held_out, int) or num_held_out < 0:
+        raise ValueError(f"num_held_out must be an integer >= 0, got {num_held_out!r}")
     unknown = [op for op in operations if op not in ARITHMETIC_OPERATIONS]
     if not operations or unknown:
         raise ValueError(f"operations must be a non-empty subset of {ARITHMETIC_OPERATIONS}, got {tuple(operations)}")
@@ -145,30 +196,49 @@ def arithmetic_records(
     span = max_operand + 1
     per_op = {"+": span * span, "-": span * (span + 1) // 2}
     total = sum(per_op[op] for op in operations)
+    if num_held_out >= total:
+        raise ValueError(f"eval.num_prompts={num_held_out} held-out arithmetic problems leave none of the {total} "
+                         f"distinct problems (task.max_operand={max_operand}) to train on; lower eval.num_prompts or "
+                         "raise task.max_operand")
     if total <= _ENUMERATE_LIMIT:
         problems = [(a, op, b) for op in operations for a in range(span) for b in range(span) if op == "+" or a >= b]
         rng.shuffle(problems)
-    else:  # huge space: rejection-sample num_prompts distinct problems (num_prompts << total)
+        train = problems[: len(problems) - num_held_out]
+        held_out = problems[len(problems) - num_held_out:]
+    else:  # huge space: rejection-sample distinct problems (num_prompts + num_held_out << total)
         seen: set[tuple[int, str, int]] = set()
         problems = []
-        while len(problems) < min(num_prompts, total):
+        wanted = min(num_prompts, total - num_held_out) + num_held_out
+        while len(problems) < wanted:
             op, a, b = rng.choice(operations), rng.randrange(span), rng.randrange(span)
             problem = (max(a, b), op, min(a, b)) if op == "-" else (a, op, b)
             if problem not in seen:
                 seen.add(problem)
                 problems.append(problem)
-    records = []
-    for index in range(num_prompts):
-        a, op, b = problems[index % len(problems)]
-        answer = a + b if op == "+" else a - b
-        records.append(
-            PromptRecord(
-                prompt=f"What is {a} {op} {b}?",
-                answer=str(answer),
-                metadata={"task": "arithmetic", "a": a, "b": b, "op": op},
-            )
-        )
-    return records
+        train, held_out = problems[: wanted - num_held_out], problems[wanted - num_held_out:]
+    return ([_arithmetic_record(*train[i % len(train)]) for i in range(num_prompts)],
+            [_arithmetic_record(*problem) for problem in held_out])
+
+
+def _arithmetic_record(a: int, op: str, b: int) -> PromptRecord:
+    answer = a + b if op == "+" else a - b
+    return PromptRecord(prompt=f"What is {a} {op} {b}?", answer=str(answer),
+                        metadata={"task": "arithmetic", "a": a, "b": b, "op": op})
+
+
+def length_target_held_out_records(num_prompts: int, target_length: int = 16, seed: int = 0) -> list[PromptRecord]:
+    """``[num_prompts]`` held-out instructions (:data:`LENGTH_TARGET_HELD_OUT_INSTRUCTIONS`, seeded order).
+
+    Raises:
+        ValueError: more prompts than the 16 held-out instructions.
+    """
+    if num_prompts > len(LENGTH_TARGET_HELD_OUT_INSTRUCTIONS):
+        raise ValueError(f"eval.num_prompts={num_prompts}: length_target holds out "
+                         f"{len(LENGTH_TARGET_HELD_OUT_INSTRUCTIONS)} instructions; lower it or set eval.dataset")
+    order = list(LENGTH_TARGET_HELD_OUT_INSTRUCTIONS)
+    random.Random(f"length_target-eval-{seed}").shuffle(order)
+    return [PromptRecord(prompt=text, answer=None, metadata={"task": "length_target", "target_length": target_length})
+            for text in order[:num_prompts]]
 
 
 def length_target_records(num_prompts: int, target_length: int = 16, seed: int = 0) -> list[PromptRecord]:
@@ -203,6 +273,7 @@ def build_task(
     reward_fn: str | Callable[..., Sequence[float]] | None = None,
     reward_workers: int = 0,
     reward_timeout_s: float = 60.0,
+    num_eval_prompts: int = 0,
     **unused: Any,
 ) -> Task:
     """Build a task from the ``task:`` config section (see docs/tasks.md).
@@ -219,6 +290,8 @@ def build_task(
         reward_workers: 0 scores in this process (one call per step); ``N >= 1`` scores in a pool of ``N``
             processes, one call per completion (see ``trainer/reward_pool.py`` for what that needs).
         reward_timeout_s: with a pool, the bound on one call in seconds.
+        num_eval_prompts: held-out prompts to set aside in ``Task.eval_records`` (built-in tasks only;
+            ``arithmetic`` then trains without them).
         **unused: other ``task`` fields (``prompts_per_step``, ``use_chat_template``) are accepted and
             ignored, so the whole config section can be passed.
 
@@ -229,15 +302,20 @@ def build_task(
             that cannot be pickled for the pool).
     """
     del unused
+    held_out: list[PromptRecord] = []
     if name == "arithmetic":
-        records = arithmetic_records(num_prompts, max_operand=max_operand, seed=seed)
+        records, held_out = arithmetic_split(num_prompts, num_eval_prompts, max_operand=max_operand, seed=seed)
         default: Callable[..., Sequence[float]] | None = arithmetic_reward
     elif name == "length_target":
         records = length_target_records(num_prompts, target_length=target_length, seed=seed)
+        if num_eval_prompts:
+            held_out = length_target_held_out_records(num_eval_prompts, target_length=target_length, seed=seed)
         default = length_target_reward
     elif name == "dataset":
         if dataset_path is None:
             raise ValueError("task.name=dataset needs task.dataset_path=<file.jsonl|file.parquet>")
+        if num_eval_prompts:
+            raise ValueError("task.name=dataset has no built-in held-out split: set eval.dataset=<file> for evaluation")
         records = load_prompt_dataset(dataset_path, prompt_key=prompt_key, answer_key=answer_key)
         default = arithmetic_reward if reward_fn is None and _all_numeric_answers(records, dataset_path) else None
     else:
@@ -254,19 +332,23 @@ def build_task(
     reward_name = reward_fn_name(resolved)
     if isinstance(reward_workers, bool) or not isinstance(reward_workers, int) or reward_workers < 0:
         raise ValueError(f"task.reward_workers must be an integer >= 0, got {reward_workers!r}")
+    # correctness (pass@k): the binary numeric-answer reward's 1.0; other rewards have no known notion
+    threshold = 1.0 if resolved is arithmetic_reward else None
     if reward_workers > 0:
         # A string spec is loaded again in each worker: a file spec's module exists only in this process.
         spec = reward_fn if isinstance(reward_fn, str) else None
         resolved = RewardPool(resolved, reward_workers, reward_timeout_s, spec=spec)
-    return Task(name=name, records=records, reward_fn=resolved, reward_name=reward_name)
+    return Task(name=name, records=records, reward_fn=resolved, reward_name=reward_name, eval_records=held_out,
+                success_threshold=threshold)
 
 
-def task_from_config(cfg: TrainConfig) -> Task:
+def task_from_config(cfg: TrainConfig, *, num_eval_prompts: int = 0) -> Task:
     """The configured task (`task:` section, seeded by `run.seed`): what `nrc train` trains on and `nrc audit`
-    samples from, built the same way on every rank."""
+    samples from, built the same way on every rank. `num_eval_prompts` > 0 holds out that many prompts for
+    evaluation (see `build_task`)."""
     options = dataclasses.asdict(cfg.task)
     name = options.pop("name")
-    return build_task(name, seed=cfg.run.seed, **options)
+    return build_task(name, seed=cfg.run.seed, num_eval_prompts=num_eval_prompts, **options)
 
 
 def _all_numeric_answers(records: list[PromptRecord], path: str | Path) -> bool:

@@ -284,6 +284,7 @@ def test_torchrun_pipeline_and_context_parallel_match_one_process(
     args = [*ONE_STEP, "run.num_steps=2", f"model.source={tied_tiny}", f"rollout_correction={preset}", *extra]
     key = "-".join([preset, *(e.split("=")[-1] for e in extra)])
     one = _one_process_two_steps(args, key, tmp_path_factory.getbasetemp())
+    one_dir = tmp_path_factory.getbasetemp() / f"one-{key}"
     _ok(nrc([*args, f"run.output_dir={tmp_path / layout}", f"parallelism={layout}"], tmp_path, launcher=torchrun))
     parallel = read_metrics(tmp_path / layout)
     assert len(one) == len(parallel) == 2
@@ -294,6 +295,15 @@ def test_torchrun_pipeline_and_context_parallel_match_one_process(
                     "loss/grad_norm", "loss/pg_clipfrac", "perf/num_samples"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert abs(parallel[1]["rollout_corr/kl"]) < 1e-4, "after the refit the engine and the trainer agree"
+    # export.at_end gathers every stage (and TP shard) into one Hugging Face model: the one-process run's
+    import torch
+    from safetensors.torch import load_file
+
+    ours = load_file(str(tmp_path / layout / "hf" / "model.safetensors"))
+    reference = load_file(str(one_dir / "hf" / "model.safetensors"))
+    assert set(ours) == set(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-5, msg=name)  # training moved them ~1e-3
 
 
 def test_dapo_in_the_step_filters_penalises_and_skips(tmp_path: Path) -> None:

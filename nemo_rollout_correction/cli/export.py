@@ -1,0 +1,146 @@
+"""`nrc export <run-dir-or-checkpoint> --output DIR [--dtype float32|bfloat16]`: a checkpoint as a Hugging Face model.
+
+The checkpoint's own saved configuration (`meta.json`) says which model and dtype the run trained; the
+policy is built at world size 1 (one process, TP = PP = CP = 1) from that model, the checkpoint's weights
+are loaded into it (`_load_checkpoint_weights`), and `models.hf_export.export_hf` writes the Hugging Face
+directory (config, sharded safetensors with an index above `--max-shard-size`, tokenizer and chat template,
+generation config), atomically.
+
+`<run-dir-or-checkpoint>` is a step directory (`.../checkpoints/step_<N>`, holding `meta.json`), a
+checkpoint directory (its newest complete step), or a run directory (`<run>/checkpoints`, newest step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+def resolve_step_dir(source: Path) -> Path:
+    """The complete checkpoint step directory `source` names (see the module docstring).
+
+    Raises:
+        FileNotFoundError: nothing that holds a complete checkpoint (the message says what was looked for).
+    """
+    from nemo_rollout_correction.trainer import checkpoint as ckpt
+
+    if (source / "meta.json").is_file():
+        return source
+    for root in (source, source / "checkpoints"):
+        step_dir = ckpt.latest_checkpoint(root)
+        if step_dir is not None:
+            return step_dir
+    raise FileNotFoundError(f"{source}: no complete checkpoint here (looked for meta.json, step_<N>/meta.json and "
+                            "checkpoints/step_<N>/meta.json)")
+
+
+def _without_redacted(tree: Any) -> Any:
+    """The saved config without the values redaction replaced (they take their defaults): the redaction of
+    checkpoint metadata also hides harmless keys whose names look secret (`..._token_...`), and none of
+    them matters to an export (model, dtype, layout)."""
+    from nemo_rollout_correction.config.redaction import REDACTED
+
+    if isinstance(tree, dict):
+        return {key: _without_redacted(value) for key, value in tree.items() if value != REDACTED}
+    return tree
+
+
+def _load_checkpoint_weights(step_dir: Path, policy: Any, meta: dict[str, Any]) -> None:
+    """Load the model weights of the checkpoint in `step_dir` into `policy`, built at world size 1.
+
+    The one layout-dependent piece of `nrc export`. Today's checkpoints (trainer/checkpoint.py) are per-rank
+    `rank_<r>.pt` pickles of each rank's model shard: at TP = PP = CP = 1 every rank holds the whole model
+    (data-parallel replicas), so `rank_0.pt` is loaded as is. Checkpoints written at TP, PP or CP > 1 hold
+    shards and are refused with a clear error; a layout-free checkpoint format replaces this function with
+    its loader (same signature: step directory in, weights loaded into the world-size-1 policy).
+
+    Raises:
+        ValueError: the checkpoint was written at a layout with model parallelism.
+        FileNotFoundError: `rank_0.pt` is missing.
+    """
+    import torch
+
+    layout = meta.get("config", {}).get("policy", {})
+    sizes = {key: int(layout.get(key, 1)) for key in
+             ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")}
+    if any(size != 1 for size in sizes.values()):
+        shown = ", ".join(f"policy.{key}={size}" for key, size in sizes.items())
+        raise ValueError(f"{step_dir} was written with {shown}: this checkpoint format holds one model-parallel shard "
+                         "per rank file, and `nrc export` reads only TP = PP = CP = 1 checkpoints of it. Export such "
+                         "runs with export.at_end=true (any layout), or resume them at TP = PP = CP = 1")
+    path = step_dir / "rank_0.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: not a complete checkpoint")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    policy.model.load_state_dict(state["model"])
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """`nrc export`: see the module docstring; returns the exit code."""
+    from nemo_rollout_correction.config import ConfigError, from_dict
+    from nemo_rollout_correction.trainer import checkpoint as ckpt
+
+    try:
+        step_dir = resolve_step_dir(Path(args.source))
+        meta = ckpt.load_meta(step_dir)
+        cfg = from_dict(_without_redacted(meta["config"]))
+        dtype = args.dtype or cfg.export.dtype
+        max_shard_size = args.max_shard_size or cfg.export.max_shard_size
+        from nemo_rollout_correction.models.hf_export import export_dtype, shard_size_bytes
+
+        export_dtype(dtype)
+        shard_size_bytes(max_shard_size)
+    except (FileNotFoundError, ConfigError, ValueError, KeyError) as exc:
+        print(f"nrc export: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    out = Path(args.output)
+    print(f"[nrc export] checkpoint {step_dir} (step {meta.get('step')}), model {cfg.model.source} "
+          f"({cfg.model.dtype})", file=sys.stderr, flush=True)
+    # One process: a torchrun environment inherited from a shell must not make it wait for other ranks.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+    from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
+
+    runtime = init_runtime(1, 1, 1)
+    try:
+        from nemo_rollout_correction.models.hf_export import export_hf, exported_files
+        from nemo_rollout_correction.models.policy import MegatronPolicy
+        from nemo_rollout_correction.models.sources import resolve_model_source
+
+        hf_dir = resolve_model_source(cfg.model.source)
+        policy = MegatronPolicy.from_hf(hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
+        print("[nrc export] policy built at world size 1; loading the checkpoint's weights", file=sys.stderr,
+              flush=True)
+        _load_checkpoint_weights(step_dir, policy, meta)
+        export_hf(policy, out, runtime.groups, dtype=dtype, max_shard_size=max_shard_size, source_dir=hf_dir)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"nrc export: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        shutdown_runtime()
+    summary = exported_files(out)
+    print(f"[nrc export] wrote {out} ({dtype}, {len(summary['weights'])} safetensors file(s), "
+          f"{summary['weight_bytes'] / 1e6:.1f} MB of weights)", file=sys.stderr, flush=True)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `nrc export`."""
+    parser = sub.add_parser("export", help="write a checkpoint as a Hugging Face model (safetensors, tokenizer)",
+                            description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("source", help="a run directory, its checkpoint directory, or one step_<N> directory")
+    parser.add_argument("--output", "-o", required=True, help="directory to write (replaced if it exists)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="weights dtype (default: the run's export.dtype, float32 unless set)")
+    parser.add_argument("--max-shard-size", default=None,
+                        help="largest safetensors file, e.g. 5GB (default: the run's export.max_shard_size)")
+    parser.set_defaults(func=run_export)
+
+
+__all__ = ["add_parser", "resolve_step_dir", "run_export"]
