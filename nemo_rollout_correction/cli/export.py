@@ -41,9 +41,9 @@ def resolve_step_dir(source: Path) -> Path:
 
 
 def _without_redacted(tree: Any) -> Any:
-    """The saved config without the values redaction replaced (they take their defaults): the redaction of
-    checkpoint metadata also hides harmless keys whose names look secret (`..._token_...`), and none of
-    them matters to an export (model, dtype, layout)."""
+    """The saved config without the values redaction replaced (they take their defaults): checkpoint metadata
+    hides every string under a secret-looking name, and none of those matters to an export (model, dtype,
+    layout)."""
     from nemo_rollout_correction.config.redaction import REDACTED
 
     if isinstance(tree, dict):

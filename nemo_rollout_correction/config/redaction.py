@@ -12,7 +12,9 @@ KEY_QUALIFIERS (api, access, private, secret, signing, encryption, client, accou
 `MLFLOW_TRACKING_PASSWORD`, `AWS_SECRET_ACCESS_KEY`, `WANDB_API_KEY`, `sshPrivateKey` are secret, and
 `task.prompt_key`, `task.answer_key`, `checkpoint.keep_last`, `max_new_tokens`, `tokenizer`, `author` are
 not (whole words only, and a bare `key` names a column or a metric, not a credential). Independently of
-names, the password of a URI's user-info part (`https://user:PASSWORD@host`) is always redacted.
+names, the password of a URI's user-info part (`https://user:PASSWORD@host`) is always redacted. Numbers and
+booleans are never credentials: `rollout_correction.rollout_token_veto_threshold: 1e-4` keeps its value (and
+"0.0001" is not scrubbed from every log line).
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def is_secret_name(name: str) -> bool:
     return any(w == "key" and i > 0 and words[i - 1] in KEY_QUALIFIERS for i, w in enumerate(words))
 
 
+def _may_hold_credential(value: Any) -> bool:
+    """False for empty values, numbers and booleans: a secret-sounding key with such a value holds no credential."""
+    return value not in (None, "") and not isinstance(value, bool | int | float)
+
+
 def redact_uri_passwords(text: str) -> str:
     """`text` with the password of every `scheme://user:password@` replaced by REDACTED."""
     return _URI_USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", text)
@@ -75,7 +82,7 @@ def redact_tree(data: Any, name: str = "") -> Any:
     """A copy of nested dicts/lists/scalars with the values under secret names replaced by REDACTED and
     URI passwords removed from every string; the input is not modified."""
     if isinstance(data, Mapping):
-        return {k: (REDACTED if is_secret_name(str(k)) and v not in (None, "") else redact_tree(v, str(k)))
+        return {k: (REDACTED if is_secret_name(str(k)) and _may_hold_credential(v) else redact_tree(v, str(k)))
                 for k, v in data.items()}
     if isinstance(data, list | tuple):
         return [redact_tree(v, name) for v in data]
@@ -99,7 +106,7 @@ def secret_values(config: Mapping[str, Any] | None = None, environ: Mapping[str,
                 visit(v, secret)
         elif value is not None:
             text = str(value)
-            if secret:
+            if secret and _may_hold_credential(value):
                 found.add(text)
             found.update(m["password"] for m in _URI_USERINFO.finditer(text))
 
