@@ -2,32 +2,37 @@
 
 A grid of real `nrc train` runs with the same task, model, seeds and step count:
 
-    engine dtype   x   correction         x   seed
-    float32            disabled (metrics only)
-    bfloat16           token_tis (token-level truncated IS)
-    float16            geo_mis   (geometric-mean masked IS; --corrections ...,seq_mis for sequence MIS)
+    precision              x   correction         x   seed
+    float32                    disabled (metrics only)
+    bfloat16                   token_tis (token-level truncated IS)
+    float16                    geo_mis   (geometric-mean masked IS; --corrections ...,seq_mis for sequence MIS)
+    bfloat16+bf16_trainer
 
-float32 against the float32 trainer is the control (no mismatch beyond kernel noise); bfloat16 is the
-production setting; float16 is the stronger honest mismatch a real deployment can have (an fp16 engine has
-10 mantissa bits against bf16's 7 but a narrow exponent range, and vLLM's fp16 kernels differ from the
-trainer's fp32 ones). Every cell is one MLflow run in one experiment (`--experiment`, a sqlite store in
-the output directory), so the MLflow UI compares them directly. At the end the script writes:
+A precision names the engine dtype (`rollout.dtype`) against the float32 trainer, or with `+bf16_trainer`
+also a bfloat16 trainer (`model.dtype`, fp32 main weights in the optimizer). float32 is the control (no
+mismatch beyond kernel noise); bfloat16 is the production engine setting and the default run; float16 has
+3 more mantissa bits than bf16, so it is the milder mismatch (docs/audit.md measures k3 about 60x below bf16);
+bfloat16+bf16_trainer is the stronger one a real deployment has (both sides round, in different kernel
+orders, so their errors add: k3 about 1.7x the bf16 engine's in docs/audit.md). Every cell is one MLflow
+run in one experiment (`--experiment`, a sqlite store in the output directory), so the MLflow UI compares
+them directly. At the end the script writes:
 
-- `<out>/summary.png`: reward, mismatch KL, grad norm and kept fraction per step, mean over seeds, one
-  line per cell (one panel row per engine dtype);
+- `<out>/summary.png`: reward, mismatch k3 KL, grad norm and kept fraction per step, mean over seeds, one
+  line per correction (one panel row per precision);
 - `<out>/summary.md`: the table (also printed), per cell: reward first -> last (mean of the first / last
   `--window` steps, mean +- std over seeds), mean KL, mean grad norm, mean kept fraction;
 - `--table PATH`: the same table spliced into PATH between `<!-- bench_mismatch:begin -->` and
   `<!-- bench_mismatch:end -->` (docs/experiments.md).
 
-Run (the full default grid is 3 x 3 x 3 = 27 runs of 6 steps; an estimated 80-90 minutes on 2 idle CPU cores):
+Run (the full default grid is 4 x 3 x 3 = 36 runs of 6 steps, about 2.7 minutes each on 2 idle CPU cores):
 
     python benchmarks/bench_mismatch.py --out benchmarks/results/mismatch --table docs/experiments.md
     python benchmarks/bench_mismatch.py --dtypes bfloat16 --corrections disabled,token_tis --seeds 1 \
         --steps 2 -- model=tiny_llama          # a smoke run; arguments after -- go to every nrc train
 
-Cells run one after another (each starts its own vLLM engine); a cell whose metrics.jsonl already holds
-`--steps` steps is reused, so an interrupted grid resumes where it stopped.
+Cells run one after another, seed-major (each starts its own vLLM engine); a cell whose metrics.jsonl already
+holds `--steps` steps is reused, so an interrupted grid resumes where it stopped. `--finished-only` runs
+nothing: it summarizes the finished cells of the grid (rows may then have different seed counts).
 """
 
 from __future__ import annotations
@@ -45,11 +50,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+PRECISIONS: dict[str, tuple[str, str]] = {  # name -> (engine dtype, trainer dtype)
+    "float32": ("float32", "float32"),
+    "bfloat16": ("bfloat16", "float32"),
+    "float16": ("float16", "float32"),
+    "bfloat16+bf16_trainer": ("bfloat16", "bfloat16"),
+}
+DTYPES = tuple(PRECISIONS)
 CORRECTIONS = ("disabled", "token_tis", "geo_mis")
 METRICS = {  # panel title -> metrics.jsonl key
     "mean reward": "reward/mean",
-    "mismatch KL (rollout_corr/kl)": "rollout_corr/kl",
+    "mismatch k3 KL (rollout_corr/k3_kl)": "rollout_corr/k3_kl",
     "grad norm": "loss/grad_norm",
     "kept token fraction": "rollout_corr/kept_token_fraction",
 }
@@ -76,7 +87,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, extra = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--out", default="benchmarks/results/mismatch", help="output directory (runs, MLflow, PNG)")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="engine dtypes (comma list)")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help=f"precisions (comma list of {', '.join(DTYPES)})")
     p.add_argument("--corrections", default=",".join(CORRECTIONS), help="rollout_correction presets (comma list)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per cell: run.seed = 1..N (default 3)")
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per run (default 6)")
@@ -84,6 +95,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--experiment", default="nrc-mismatch", help="MLflow experiment holding one run per cell")
     p.add_argument("--table", help="also splice the table into this markdown file between the markers")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it counts as failed")
+    p.add_argument("--finished-only", action="store_true", help="run nothing; summarize the finished cells")
     args = p.parse_args(argv)
     return args, extra
 
@@ -111,7 +123,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, extra: list[str], out: Path) 
 
         shutil.rmtree(run_dir)
     overrides = [
-        f"rollout.dtype={cell.dtype}", f"rollout_correction={cell.correction}", f"run.seed={cell.seed}",
+        f"rollout.dtype={PRECISIONS[cell.dtype][0]}", f"model.dtype={PRECISIONS[cell.dtype][1]}",
+        f"rollout_correction={cell.correction}", f"run.seed={cell.seed}",
         f"run.num_steps={args.steps}", f"run.name={cell.name}", f"run.output_dir={run_dir}",
         f"tracking.experiment={args.experiment}", f"tracking.tracking_uri=sqlite:///{out.resolve() / 'mlflow.db'}",
         "tracking.system_metrics=false", "tracking.plot_every=0", "checkpoint.every_n_steps=0", *extra,
@@ -160,7 +173,7 @@ def summarize(results: dict[Cell, list[dict[str, Any]]], window: int) -> list[di
             "dtype": dtype, "correction": correction, "seeds": len(runs), "steps": min(len(s) for s in runs),
             "reward_first": _over_seeds(runs, "reward/mean", slice(0, w)),
             "reward_last": _over_seeds(runs, "reward/mean", slice(-w, None)),
-            "kl": _over_seeds(runs, "rollout_corr/kl", slice(None)),
+            "k3_kl": _over_seeds(runs, "rollout_corr/k3_kl", slice(None)),
             "grad_norm": _over_seeds(runs, "loss/grad_norm", slice(None)),
             "kept": _over_seeds(runs, "rollout_corr/kept_token_fraction", slice(None)),
         })
@@ -173,11 +186,13 @@ def table(rows: list[dict[str, Any]], window: int) -> str:
         mean, std = pair
         return "-" if math.isnan(mean) else f"{mean:{fmt}} ± {std:{fmt}}"
 
-    lines = [f"| engine | correction | seeds x steps | reward, first {window} steps | reward, last {window} steps "
-             "| mean kl | mean grad norm | mean kept |", "|---|---|---|--:|--:|--:|--:|--:|"]
+    lines = [f"| engine | trainer | correction | seeds x steps | reward, first {window} steps "
+             f"| reward, last {window} steps | mean k3 KL | mean grad norm | mean kept |",
+             "|---|---|---|---|--:|--:|--:|--:|--:|"]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['correction']} | {r['seeds']} x {r['steps']} "
-                     f"| {ms(r['reward_first'], '.3f')} | {ms(r['reward_last'], '.3f')} | {ms(r['kl'], '.2e')} "
+        engine, trainer = PRECISIONS[r["dtype"]]
+        lines.append(f"| {engine} | {trainer} | {r['correction']} | {r['seeds']} x {r['steps']} "
+                     f"| {ms(r['reward_first'], '.3f')} | {ms(r['reward_last'], '.3f')} | {ms(r['k3_kl'], '.2e')} "
                      f"| {ms(r['grad_norm'], '.3f')} "
                      f"| {ms(r['kept'], '.3f')} |")
     return "\n".join(lines) + "\n"
@@ -204,13 +219,13 @@ def plot(results: dict[Cell, list[dict[str, Any]]], path: Path) -> None:
                 # Distinct markers and dashes: identical curves (e.g. correction that never triggers) stay visible.
                 ax.plot(range(1, n + 1), mean, marker="osd^v"[i % 5], markersize=5 - i, linewidth=1.5,
                         linestyle=("-", "--", ":", "-.")[i % 4], label=correction)
-            ax.set_title(f"{title}\nengine {dtype}", fontsize=9)
+            ax.set_title(f"{title}\nengine {PRECISIONS[dtype][0]}, trainer {PRECISIONS[dtype][1]}", fontsize=9)
             ax.set_xlabel("step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
             if col == 0:
                 ax.legend(fontsize=8)
-    fig.suptitle("Rollout correction under engine precision (mean over seeds; trainer float32)")
+    fig.suptitle("Rollout correction under engine and trainer precision (mean over seeds)")
     fig.savefig(path, dpi=110)
 
 
@@ -235,10 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     results: dict[Cell, list[dict[str, Any]]] = {}
     for i, cell in enumerate(cells, 1):
+        if args.finished_only:
+            steps = _read_metrics(out / "runs" / cell.name / "metrics.jsonl")
+            if len(steps) >= args.steps:
+                results[cell] = steps[: args.steps]
+            continue
         results[cell] = run_cell(cell, args, extra, out)
         elapsed = time.monotonic() - started
         print(f"[bench_mismatch] {i}/{len(cells)} runs, {elapsed / 60:.1f} min, eta "
               f"{elapsed / i * (len(cells) - i) / 60:.1f} min", file=sys.stderr, flush=True)
+    if not results:
+        raise SystemExit(f"[bench_mismatch] no finished cell under {out / 'runs'}")
     rows = summarize(results, args.window)
     text = table(rows, args.window)
     (out / "summary.md").write_text(text)

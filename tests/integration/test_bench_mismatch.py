@@ -40,11 +40,11 @@ def test_harness_runs_a_grid_into_one_experiment(tmp_path: Path) -> None:
     assert [(r["dtype"], r["correction"], r["seeds"], r["steps"]) for r in rows] == [
         ("bfloat16", "disabled", 1, 2), ("bfloat16", "token_tis", 1, 2)]
     for row in rows:
-        assert all(math.isfinite(row[k][0]) for k in ("reward_first", "reward_last", "kl", "grad_norm", "kept"))
-        assert row["kl"][0] != 0.0  # a bf16 engine against the fp32 trainer: a real mismatch
+        assert all(math.isfinite(row[k][0]) for k in ("reward_first", "reward_last", "k3_kl", "grad_norm", "kept"))
+        assert row["k3_kl"][0] > 0.0  # a bf16 engine against the fp32 trainer: a real mismatch
     assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = page.read_text()
-    assert "old table" not in text and "| bfloat16 | token_tis | 1 x 2 |" in text and text.endswith("after\n")
+    assert "old table" not in text and "| bfloat16 | float32 | token_tis | 1 x 2 |" in text and text.endswith("after\n")
 
     from mlflow import MlflowClient
 
@@ -59,3 +59,9 @@ def test_harness_runs_a_grid_into_one_experiment(tmp_path: Path) -> None:
     # A second call reuses the finished cells instead of training again.
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert again.returncode == 0 and again.stderr.count("reusing 2 steps") == 2, again.stderr[-2000:]
+
+    # --finished-only summarizes what finished and starts nothing (token_tis at seed 2 never ran).
+    only = subprocess.run([*cmd[:cmd.index("--seeds") + 1], "2", *cmd[cmd.index("--seeds") + 2:], "--finished-only"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert only.returncode == 0 and "nrc train" not in only.stderr, only.stderr[-2000:]
+    assert [r["seeds"] for r in json.loads((out / "summary.json").read_text())] == [1, 1]
