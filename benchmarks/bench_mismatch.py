@@ -127,7 +127,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, extra: list[str], out: Path) 
         f"rollout_correction={cell.correction}", f"run.seed={cell.seed}",
         f"run.num_steps={args.steps}", f"run.name={cell.name}", f"run.output_dir={run_dir}",
         f"tracking.experiment={args.experiment}", f"tracking.tracking_uri=sqlite:///{out.resolve() / 'mlflow.db'}",
-        "tracking.system_metrics=false", "tracking.plot_every=0", "checkpoint.every_n_steps=0", *extra,
+        "tracking.system_metrics=false", "tracking.plot_every=0", "checkpoint.every_n_steps=0", "export.at_end=false",
+        *extra,
     ]
     cmd = [sys.executable, "-m", "nemo_rollout_correction.cli", "train", *overrides]
     start = time.monotonic()
