@@ -123,10 +123,11 @@ def _chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
 def _model_sharded_state(chunks: list[nn.Module]) -> dict[str, Any]:
     """The model part: one chunk's `sharded_state_dict()`, or one per virtual-pipeline chunk (the tensor
     names inside are global, so the nesting does not tie the checkpoint to a layout)."""
-    if len(chunks) == 1:
-        state: dict[str, Any] = chunks[0].sharded_state_dict()
+    stages: list[Any] = list(chunks)  # Megatron modules (`sharded_state_dict` is not on nn.Module)
+    if len(stages) == 1:
+        state: dict[str, Any] = stages[0].sharded_state_dict()
         return state
-    return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    return {f"chunk{i}": stage.sharded_state_dict() for i, stage in enumerate(stages)}
 
 
 def _load_model_state(chunks: list[nn.Module], loaded: dict[str, Any]) -> None:

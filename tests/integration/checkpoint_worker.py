@@ -16,7 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import optimizer_worker  # noqa: E402
+import optimizer_worker
 
 
 def _init(tp: int, pp: int) -> None:
