@@ -167,12 +167,14 @@ class LoadReport:
 
 
 def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], optim: Any | None, *,
-                    rank: int, log: Callable[[str], None] = lambda message: None) -> None:
-    """Write this job's model (and optimizer, unless `optim` is None) state and RNG states to `step_dir`.
+                    rank: int, save_optimizer: bool = True, log: Callable[[str], None] = lambda message: None) -> None:
+    """Write this job's model state, optimizer state and RNG states to `step_dir`.
 
-    Collective: every rank of the job calls it with its own model chunk(s) and its `PolicyOptimizer`.
-    `meta.json` is not written here (see `write_meta`). An existing `step_dir` (an incomplete save of the same
-    step) is removed first so no stale shard of another layout survives.
+    Collective: every rank of the job calls it with its own model chunk(s) and its `PolicyOptimizer`
+    (`models.optimizer`). `save_optimizer=False` (or `optim=None`) writes the weights only; the LR
+    scheduler's position is saved whenever `optim` is given (a few numbers). `meta.json` is not written here
+    (see `write_meta`). An existing `step_dir` (an incomplete save of the same step) is removed first so no
+    stale shard of another layout survives.
     """
     from megatron.core import dist_checkpointing
 
@@ -188,8 +190,9 @@ def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
         model_state = _model_sharded_state(chunks)
         state: dict[str, Any] = {"model": model_state}
         if optim is not None:
-            state["optimizer"] = optim.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_METADATA)
             state["scheduler"] = optim.scheduler.state_dict()
+            if save_optimizer:
+                state["optimizer"] = optim.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_METADATA)
         dist_checkpointing.save(state, str(step_dir / DIST_DIR))
     _atomic_torch_save(rng_state(), step_dir / RNG_DIR / f"rank_{rank}.pt")
     barrier()

@@ -283,8 +283,8 @@ class GrpoTrainer:
         """Save every rank's state for the current step; the logging rank marks it complete and prunes."""
         step_dir = self.ckpt_dir / f"step_{self.step_index}"
         save_optimizer = self.cfg.checkpoint.save_optimizer
-        ckpt.save_checkpoint(step_dir, self.policy.model, self.optim if save_optimizer else None,
-                             rank=self.runtime.rank, log=self.log)  # collective; ends in a barrier
+        ckpt.save_checkpoint(step_dir, self.policy.model, self.optim, rank=self.runtime.rank,
+                             save_optimizer=save_optimizer, log=self.log)  # collective; ends in a barrier
         if self.runtime.is_main:
             ckpt.write_meta(
                 step_dir,

@@ -50,7 +50,7 @@ def save_after_update(rank: int, world_size: int, hf_dir: str, step_dir: str, tp
         policy, optim = optimizer_worker._setup(hf_dir, dtype, use_distributed_optimizer=distributed_optimizer)
         updater = optimizer_worker._Updater(policy, optim)
         update = updater.update(updater.mini_batches[0])
-        ckpt.save_checkpoint(Path(step_dir), policy.model, optim if save_optimizer else None, rank=rank)
+        ckpt.save_checkpoint(Path(step_dir), policy.model, optim, rank=rank, save_optimizer=save_optimizer)
         _meta(Path(step_dir), rank, distributed_optimizer, save_optimizer)
         barrier()
         return {"update": update, "lr": optim.lr}
@@ -70,7 +70,7 @@ def reload_and_resave(rank: int, world_size: int, hf_dir: str, step_dir: str, ou
         _init(tp, pp)
         policy, optim = optimizer_worker._setup(hf_dir, dtype, use_distributed_optimizer=distributed_optimizer)
         report = ckpt.load_checkpoint(Path(step_dir), policy.model, optim, rank=rank, world_size=world_size)
-        ckpt.save_checkpoint(Path(out_dir), policy.model, optim if report.optimizer_loaded else None, rank=rank)
+        ckpt.save_checkpoint(Path(out_dir), policy.model, optim, rank=rank, save_optimizer=report.optimizer_loaded)
         _meta(Path(out_dir), rank, distributed_optimizer, report.optimizer_loaded)
         barrier()
         return {"optimizer_loaded": report.optimizer_loaded, "lr": optim.lr,
@@ -91,39 +91,5 @@ def load_weights_only(rank: int, world_size: int, hf_dir: str, step_dir: str, tp
         policy = MegatronPolicy.from_hf(hf_dir, params_dtype="float32")
         ckpt.load_model_weights(Path(step_dir), policy.model)
         return {name: tensor.clone() for name, tensor in policy.hf_weights()}
-    finally:
-        ps.destroy_model_parallel()
-
-
-def resume(rank: int, world_size: int, hf_dir: str, dtype: str, distributed_optimizer: bool,
-           ckpt_dir: str) -> dict[str, Any]:
-    """Two updates straight vs one update, checkpoint, fresh build, load, one update (same layout)."""
-    from megatron.core import parallel_state as ps
-
-    from nemo_rollout_correction.distributed.runtime import barrier
-    from nemo_rollout_correction.trainer import checkpoint as ckpt
-
-    try:
-        options = {"use_distributed_optimizer": distributed_optimizer}
-        _init(1, 1)
-        policy, optim = optimizer_worker._setup(hf_dir, dtype, **options)
-        updater = optimizer_worker._Updater(policy, optim)
-        straight = [updater.update(updater.mini_batches[0]) for _ in range(2)]
-        straight_weights = optimizer_worker._weights(policy)
-
-        policy, optim = optimizer_worker._setup(hf_dir, dtype, **options)
-        updater = optimizer_worker._Updater(policy, optim)
-        first = updater.update(updater.mini_batches[0])
-        step_dir = Path(ckpt_dir) / "step_1"
-        ckpt.save_checkpoint(step_dir, policy.model, optim, rank=rank)
-        _meta(step_dir, rank, distributed_optimizer, True)
-        barrier()
-
-        fresh, fresh_optim = optimizer_worker._setup(hf_dir, dtype, **options)
-        ckpt.load_checkpoint(step_dir, fresh.model, fresh_optim, rank=rank, world_size=world_size)
-        updater.policy, updater.optim = fresh, fresh_optim  # same batch and old_logprobs, restored state
-        second = updater.update(updater.mini_batches[0])
-        return {"straight": straight, "resumed": [first, second], "straight_weights": straight_weights,
-                "resumed_weights": optimizer_worker._weights(fresh)}
     finally:
         ps.destroy_model_parallel()

@@ -4,8 +4,8 @@
   bf16 weights with fp32 main params) is loaded at another layout and written again; the two checkpoints'
   global tensors (every weight, fp32 main param and Adam moment) are read back in one process and must be
   bit-identical, and the LR schedule position must survive. TP2 -> TP1, TP1 -> PP2, DP2 -> DP1, DP1 -> DP2.
-- Exact resume at one layout (the former distributed-optimizer xfail): two updates straight equal one
-  update, save, fresh build, load, one update, bit for bit.
+- (Exact resume at one layout, including the former distributed-optimizer xfail, is
+  `test_megatron_optimizer.py::test_checkpoint_resumes_exactly`, through this module.)
 - `load_model_weights` gives a world-size-1 fp32 policy the saved weights of a TP=2 run.
 - Weights-only checkpoints (`save_optimizer=false`) hold no optimizer tensors and still load.
 - Old per-rank checkpoints are refused with a message naming the format.
@@ -97,20 +97,6 @@ def test_resharding_keeps_weights_and_optimizer_state_bit_identical(hf_dir: str,
     for result in loading:
         assert result["optimizer_loaded"] and result["scheduler_steps"] == 1
         assert result["lr"] == saving[0]["lr"]
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(("dtype", "world", "distributed_optimizer"), [
-    ("float32", 1, False),
-    ("bfloat16", 2, True),  # formerly a strict xfail: see models.optimizer.untie_adam_steps
-])
-def test_resume_is_exact(hf_dir: str, tmp_path: Path, dtype: str, world: int, distributed_optimizer: bool) -> None:
-    ranks = dist_harness.launch(checkpoint_worker.resume, world, hf_dir, dtype, distributed_optimizer,
-                                str(tmp_path), timeout=LAUNCH_TIMEOUT)
-    for result in ranks:
-        assert result["straight"] == result["resumed"]
-        for name, tensor in result["straight_weights"].items():
-            assert torch.equal(result["resumed_weights"][name], tensor), name
 
 
 @pytest.mark.timeout(600)
