@@ -156,6 +156,64 @@ def _ensure_optimizer_state(optimizer: Any) -> None:
             init()
 
 
+def _optimizer_sharded_state(optimizer: Any, model_state: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+    """The optimizer part of the checkpoint: Megatron's `sharded_state_dict`, except for the non-distributed
+    bf16/fp16 optimizer (`Float16OptimizerWithFloat16Params`), built here (see `_float16_sharded_state`)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    inner = _inner_optimizers(optimizer)
+    if len(inner) == 1 and isinstance(inner[0], Float16OptimizerWithFloat16Params):
+        return _float16_sharded_state(inner[0], model_state, is_loading=is_loading)
+    state: dict[str, Any] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                         metadata=_OPTIMIZER_METADATA)
+    return state
+
+
+def _float16_sharded_state(opt: Any, model_state: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+    """`Float16OptimizerWithFloat16Params.sharded_state_dict` of Megatron 0.16.1, correct for models whose
+    parameters are not all bf16/fp16.
+
+    The policy's norm weights stay fp32 in a bf16 model (the torch norm fallback creates them in fp32), so a
+    param group holds both fp32 copies of bf16 weights and fp32 weights. Megatron numbers the optimizer
+    state by the bf16/fp16 parameters only and pairs the fp32 copies with the group's first ids: with mixed
+    groups the names are wrong or missing ("Param id 10 does not match any model sharded param"). Here the
+    ids follow the inner optimizer's own order (each fp32 copy mapped back to its model parameter); the
+    output has Megatron's structure, so its `load_state_dict` reads it back.
+    """
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state,
+    )
+
+    if is_loading:
+        opt.init_state_fn(opt.optimizer, opt.config)
+    state: dict[str, Any] = opt.state_dict()
+    model_of = {id(main): model for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups,
+                                                          strict=True)
+                for model, main in zip(models, mains, strict=True)}
+    ordered = [model_of.get(id(param), param) for group in opt.optimizer.param_groups for param in group["params"]]
+    id_to_sharded = get_param_id_to_sharded_param_map(model_state, ordered)
+    # Keyed by group index, not a list of lists: dist_checkpointing keeps an EMPTY group (the norm weights' group
+    # holds no bf16 weight) in the common part and drops full ones, so a list would come back misaligned
+    # ("Cannot merge two lists with different lengths"); `_load_optimizer_state` turns it back into a list.
+    groups = [
+        [make_sharded_optimizer_tensor(id_to_sharded[param_id], main, prefix="optimizer.state.fp32_param")
+         for param_id, main in zip(
+             [pid for pid, param in zip(saved_group["params"], group["params"], strict=True)
+              if id(param) in model_of],
+             mains, strict=True)]
+        for mains, saved_group, group in zip(state["fp32_from_fp16_params"], state["optimizer"]["param_groups"],
+                                             opt.optimizer.param_groups, strict=True)
+    ]
+    state["fp32_from_fp16_params"] = {f"group{i}": group for i, group in enumerate(groups)}
+    step = opt._extract_common_per_param_step(state["optimizer"])
+    optim_state_to_sharding_state(state["optimizer"], id_to_sharded, exclude_keys="step")
+    if step:
+        state["optimizer"]["state"]["common_step"] = step
+    return state
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """What `load_checkpoint` restored."""
@@ -192,7 +250,7 @@ def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
         if optim is not None:
             state["scheduler"] = optim.scheduler.state_dict()
             if save_optimizer:
-                state["optimizer"] = optim.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_METADATA)
+                state["optimizer"] = _optimizer_sharded_state(optim.optimizer, model_state, is_loading=False)
         dist_checkpointing.save(state, str(step_dir / DIST_DIR))
     _atomic_torch_save(rng_state(), step_dir / RNG_DIR / f"rank_{rank}.pt")
     barrier()
@@ -233,8 +291,7 @@ def load_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
         request: dict[str, Any] = {"model": model_state}
         if has_optimizer:
             _ensure_optimizer_state(optim.optimizer)
-            request["optimizer"] = optim.optimizer.sharded_state_dict(model_state, is_loading=True,
-                                                                      metadata=_OPTIMIZER_METADATA)
+            request["optimizer"] = _optimizer_sharded_state(optim.optimizer, model_state, is_loading=True)
         loaded = dist_checkpointing.load(request, str(step_dir / DIST_DIR))
         with torch.no_grad():  # in-place copies into leaf parameters
             _load_model_state(chunks, loaded["model"])
@@ -262,6 +319,9 @@ def _load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
     from nemo_rollout_correction.models.optimizer import untie_adam_steps
 
     inner = _inner_optimizers(optimizer)
+    mains = state.get("fp32_from_fp16_params")
+    if isinstance(mains, dict):  # `_float16_sharded_state`'s form -> Megatron's list of groups
+        state = {**state, "fp32_from_fp16_params": [mains[f"group{i}"] for i in range(len(mains))]}
     param_state = state.get("param_state") if len(inner) == 1 else None
     if param_state is None or state.get("param_state_sharding_type") != "fully_reshardable":
         optimizer.load_state_dict(state)

@@ -64,12 +64,14 @@ def _assert_identical(saved: dict[str, Any], resaved: dict[str, Any]) -> None:
         assert torch.equal(value, got[key]), f"{key}: max |diff| {(value - got[key]).abs().max()}"
 
 
-# (save tp, pp, world) -> (load tp, pp, world); DP = world / (tp * pp); the distributed optimizer is on.
+# (save tp, pp, world) -> (load tp, pp, world), distributed optimizer; DP = world / (tp * pp).
 MATRIX = {
-    "TP2->TP1": ((2, 1, 2), (1, 1, 1)),
-    "TP1->PP2": ((1, 1, 1), (1, 2, 2)),
-    "DP2->DP1": ((1, 1, 2), (1, 1, 1)),
-    "DP1->DP2": ((1, 1, 1), (1, 1, 2)),
+    "TP2->TP1": ((2, 1, 2), (1, 1, 1), True),
+    "TP1->PP2": ((1, 1, 1), (1, 2, 2), True),
+    "DP2->DP1": ((1, 1, 2), (1, 1, 1), True),
+    "DP1->DP2": ((1, 1, 1), (1, 1, 2), True),
+    # The trainer's default: Megatron's regular bf16 optimizer (fp32 main params replicated over DP).
+    "TP2->PP2-regular-optimizer": ((2, 1, 2), (1, 2, 2), False),
 }
 
 
@@ -77,19 +79,21 @@ MATRIX = {
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(MATRIX))
 def test_resharding_keeps_weights_and_optimizer_state_bit_identical(hf_dir: str, tmp_path: Path, case: str) -> None:
-    (s_tp, s_pp, s_world), (l_tp, l_pp, l_world) = MATRIX[case]
+    (s_tp, s_pp, s_world), (l_tp, l_pp, l_world), distributed = MATRIX[case]
     saved_dir, resaved_dir = tmp_path / "a" / "step_1", tmp_path / "b" / "step_1"
     saving = dist_harness.launch(checkpoint_worker.save_after_update, s_world, hf_dir, str(saved_dir), s_tp, s_pp,
-                                 True, timeout=LAUNCH_TIMEOUT)
+                                 distributed, timeout=LAUNCH_TIMEOUT)
     loading = dist_harness.launch(checkpoint_worker.reload_and_resave, l_world, hf_dir, str(saved_dir),
-                                  str(resaved_dir), l_tp, l_pp, True, timeout=LAUNCH_TIMEOUT)
+                                  str(resaved_dir), l_tp, l_pp, distributed, timeout=LAUNCH_TIMEOUT)
     assert ckpt.load_meta(saved_dir)["layout"]["data_parallel_size"] == s_world // (s_tp * s_pp)
     saved, resaved = global_tensors(saved_dir), global_tensors(resaved_dir)
+    main = "param" if distributed else "fp32_param"  # the two optimizers' names for the fp32 main weights
     kinds = {key.split(".")[2] for key in saved if key.startswith("optimizer.state.")}
-    assert kinds == {"param", "exp_avg", "exp_avg_sq"}, sorted(saved)
+    assert kinds == {main, "exp_avg", "exp_avg_sq"}, sorted(saved)
     # Megatron stores the layers stacked along a leading layer axis: both pipeline stages' layers present.
     assert saved["decoder.layers.mlp.linear_fc1.weight"].shape[0] == 2
-    assert saved["optimizer.state.param.decoder.layers.mlp.linear_fc1.weight"].dtype == torch.float32
+    assert saved["decoder.layers.mlp.linear_fc1.weight"].dtype == torch.bfloat16
+    assert saved[f"optimizer.state.{main}.decoder.layers.mlp.linear_fc1.weight"].dtype == torch.float32
     # The saved state is one update away from a fresh build (moved weights, non-zero moments), so a load
     # that silently kept the fresh state would not compare equal.
     assert float(saved["optimizer.state.exp_avg_sq.decoder.final_layernorm.weight"].abs().max()) > 0
@@ -140,3 +144,15 @@ def test_old_per_rank_checkpoints_are_refused(tmp_path: Path) -> None:
     (step_dir / "meta.json").write_text("{}")
     with pytest.raises(ValueError, match=r"per-rank checkpoint \(rank_0.pt\).*sharded checkpoints"):
         ckpt.load_model_weights(step_dir, torch.nn.Linear(1, 1))
+
+
+def test_keep_last_prunes_complete_checkpoints_and_ignores_incomplete_ones(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4):
+        (tmp_path / f"step_{step}" / "dist").mkdir(parents=True)
+        if step != 4:  # step 4 crashed while saving: no meta.json
+            ckpt.write_meta(tmp_path / f"step_{step}", {"step": step})
+    assert ckpt.complete_steps(tmp_path) == [1, 2, 3]
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_3"
+    assert ckpt.load_meta(tmp_path / "step_3") == {"format": ckpt.FORMAT, "step": 3}
+    assert ckpt.prune(tmp_path, keep_last=2) == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_4"]
