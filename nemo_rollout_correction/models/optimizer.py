@@ -72,7 +72,15 @@ class UpdateResult:
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:
-    return next(p for p in model.parameters()).dtype
+    """The model's working dtype: bf16/fp16 if any parameter has it. The norm weights stay fp32 in a bf16
+    model (torch norm fallback), and a later pipeline stage's FIRST parameter is such a norm weight: taking
+    the first parameter's dtype built an fp32 optimizer there, Adam updating the bf16 weights directly with
+    no fp32 main weights (found by the PP=2 checkpoint test)."""
+    dtypes = {p.dtype for p in model.parameters()}
+    for half in (torch.bfloat16, torch.float16):
+        if half in dtypes:
+            return half
+    return next(iter(dtypes)) if dtypes else torch.float32
 
 
 class PolicyOptimizer:
