@@ -14,16 +14,18 @@ Layout of one checkpoint, `<dir>/step_<N>/`:
 - `meta.json`: step, sampler state, observer state (the MLflow run id), the redacted config and the
   layout that wrote the checkpoint, written by the logging rank LAST, after a barrier that follows every
   rank's save: a step directory without `meta.json` is incomplete (a crash while saving) and is ignored
-  by `latest_checkpoint`. `dist_checkpointing` writes its own `metadata.json` last as well, and every
-  other file goes to a temporary name first.
+  by `latest_checkpoint`. `dist_checkpointing` writes its own `metadata.json` last as well; the RNG
+  files and `meta.json` go to a temporary name first.
 
 Why `dist_checkpointing` and not `torch.distributed.checkpoint` directly: Megatron's model and optimizer
 already describe their shards (`sharded_state_dict`, TP/PP offsets, tied embeddings, the distributed
-optimizer's flattened ranges); on gloo, TP=2 x DP=2 saves and reloads run (a hang seen in an early probe
-did not recur once the model and optimizer state were built inside `cuda_to_cpu()`, which this module
-does). The saves are synchronous: Megatron's async path (`async_sharded_save`) hands the write to a
-forked or persistent worker built around CUDA streams and `torch.cuda.set_device`, which has no CPU
-equivalent; it is not used (and not claimed) here.
+optimizer's DP shards); on gloo, saves and reloads at TP=2, PP=2 and DP=2 run in seconds. (FEASIBILITY
+noted a first TP=2 probe that hung silently for 150 s; with the state dicts built inside `cuda_to_cpu()`,
+as here, TP=2 saved in about 6 s in every try, and the first hang was not reproduced, so its cause is
+unknown. Every collective here runs under the process group's timeout, and the tests under a launch
+timeout.) The saves are synchronous: Megatron's async path (`async_sharded_save` + `AsyncCallsQueue`)
+stages tensors with CUDA synchronisation and its persistent worker calls `torch.cuda.set_device`; it was
+not tried on CPU, and is not used (nor claimed) here. On a GPU it is the natural next step.
 
 The per-rank `rank_<r>.pt` pickles of earlier versions are not read: `load_checkpoint` refuses them with
 a message saying so.
