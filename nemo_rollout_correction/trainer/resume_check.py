@@ -90,4 +90,28 @@ def check_resume(step_dir: str, saved: Mapping[str, Any], current: Mapping[str, 
         "eval.*, export.*, and policy.use_distributed_optimizer for a weights-only checkpoint.")
 
 
-__all__ = ["CHANGEABLE", "OPTIMIZER_LAYOUT_KEY", "check_resume", "flatten", "incompatible_keys"]
+def check_config_resumes(cfg: Any) -> None:
+    """With `run.resume=true`, compare `cfg` (a `TrainConfig`) with the newest complete checkpoint's config and
+    raise `check_resume`'s ValueError when they are incompatible; nothing to do without a checkpoint.
+
+    The CLI calls it right after loading the config, before any process group, MLflow run or engine exists,
+    so a refused resume costs nothing and leaves the checkpoint's MLflow run untouched.
+    """
+    from pathlib import Path
+
+    from nemo_rollout_correction.config.loader import to_dict
+    from nemo_rollout_correction.config.redaction import redact_tree
+    from nemo_rollout_correction.trainer import checkpoint as ckpt
+
+    if not cfg.run.resume:
+        return
+    step_dir = ckpt.latest_checkpoint(Path(cfg.checkpoint_dir))
+    if step_dir is None:
+        return
+    meta = ckpt.load_meta(step_dir)
+    check_resume(str(step_dir), meta.get("config", {}), redact_tree(to_dict(cfg)),
+                 has_optimizer=bool(meta.get("has_optimizer", True)))
+
+
+__all__ = ["CHANGEABLE", "OPTIMIZER_LAYOUT_KEY", "check_config_resumes", "check_resume", "flatten",
+           "incompatible_keys"]

@@ -156,3 +156,28 @@ def test_keep_last_prunes_complete_checkpoints_and_ignores_incomplete_ones(tmp_p
     assert ckpt.load_meta(tmp_path / "step_3") == {"format": ckpt.FORMAT, "step": 3}
     assert ckpt.prune(tmp_path, keep_last=2) == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_4"]
+
+
+@pytest.mark.timeout(300)
+def test_cli_refuses_an_incompatible_resume_before_starting_anything(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from nemo_rollout_correction.config.loader import load_config, to_dict
+    from nemo_rollout_correction.config.redaction import redact_tree
+
+    out = tmp_path / "run"
+    base = ["model=tiny_llama", f"run.output_dir={out}", "tracking.enabled=false"]
+    step_dir = out / "checkpoints" / "step_2"
+    (step_dir / "dist").mkdir(parents=True)
+    ckpt.write_meta(step_dir, {"step": 2, "has_optimizer": True,
+                               "config": redact_tree(to_dict(load_config(base)))})
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "nemo_rollout_correction.cli", "train", *base, "run.resume=true",
+                           "task.prompts_per_step=8", "policy.lr=2e-3", "policy.tensor_parallel_size=1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"cannot resume from {step_dir}: 2 config key(s) differ from the run that wrote it "
+            "(policy.lr, task.prompts_per_step)") in proc.stderr
+    assert "policy.lr: checkpoint 3e-05, now 0.002" in proc.stderr
+    assert "vLLM" not in proc.stderr.split("cannot resume")[0]  # refused before any engine or process group

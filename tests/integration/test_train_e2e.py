@@ -160,12 +160,6 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss/policy")] == [1, 2, 3, 4]
     del mlflow
 
-    # Resuming with another task setting or objective refuses, naming every differing key in one message.
-    refused = nrc([*common, "run.num_steps=5", "run.resume=true", f"run.output_dir={split}",
-                   "task.prompts_per_step=8", "policy.lr=2e-3"], tmp_path)
-    assert refused.returncode != 0
-    assert "2 config key(s) differ from the run that wrote it (policy.lr, task.prompts_per_step)" in refused.stderr
-
 
 ONE_STEP = [*FAST, "run.num_steps=1", "tracking.enabled=false", "checkpoint.every_n_steps=0"]
 
