@@ -55,6 +55,13 @@ def run_train(overrides: Sequence[str], config_dir: str | None = None, verbose: 
     if problem:
         print(problem, file=sys.stderr)
         return EXIT_CONFIG
+    from nemo_rollout_correction.trainer.resume_check import check_config_resumes
+
+    try:  # a resume into another model/task/objective refuses before any process group, MLflow run or engine
+        check_config_resumes(cfg)
+    except ValueError as exc:
+        print(f"nrc train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
     rank = int(os.environ.get("RANK", "0"))
     console = Console(secrets=secret_values(to_dict(cfg)), verbose=verbose, is_main=rank == 0)

@@ -335,6 +335,8 @@ class CheckpointConfig:
     every_n_steps: int = _f(5, "Save a checkpoint every N steps (and at the end); 0 saves only at the end.")
     dir: str | None = _f(None, "Checkpoint directory; null means <run.output_dir>/checkpoints.")
     keep_last: int = _f(2, "Keep only the newest N checkpoints.")
+    save_optimizer: bool = _f(True, "Save the optimizer state (fp32 main weights, Adam moments) with the weights; "
+                              "false writes weights-only checkpoints (a resume restarts Adam's moments at zero).")
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.every_n_steps", self.every_n_steps, 0)

@@ -1,16 +1,34 @@
-"""Checkpoints: model, optimizer, RNG, data position, step and observer state; exact resume.
+"""Checkpoints: sharded, layout-free model and optimizer state, RNG, data position, step, observer state.
 
-Layout: `<dir>/step_<N>/rank_<r>.pt` per rank (its model shard, optimizer state and RNG states) plus
-`meta.json` (step, sampler state, observer state such as the MLflow run id), written by the logging rank
-LAST, after every rank has written its file: a step directory without `meta.json` is incomplete (a crash
-while saving) and is ignored by `latest_checkpoint`. Each file is written to a temporary name and
-renamed, so a crash never leaves a truncated file under the final name.
+Layout of one checkpoint, `<dir>/step_<N>/`:
 
-The optimizer state is `models.optimizer.PolicyOptimizer.state_dict()`: Megatron's optimizer state (fp32
-main params of a bf16/fp16 model, Adam moments, the fp16 loss scaler; with the distributed optimizer this
-rank's DP shard of them) and the LR scheduler. A resume therefore needs the same layout (TP/PP/CP/DP sizes
-and `policy.use_distributed_optimizer`); resuming into another layout would go through Megatron's
-`sharded_state_dict` / `dist_checkpointing` instead and is not implemented.
+- `dist/`: Megatron-Core `dist_checkpointing` (torch.distributed.checkpoint underneath): the model's
+  `sharded_state_dict()` and, unless `checkpoint.save_optimizer=false`, the optimizer's
+  (`get_megatron_optimizer`'s fp32 main params and Adam moments; the distributed optimizer in Megatron's
+  `fully_reshardable` format) plus the LR scheduler state. Tensors are stored under global names
+  and shapes, each shard written once (replicas across DP and the tied-embedding copy are skipped by
+  their `replica_id`), and any layout reads it back: TP, PP, CP and DP sizes may differ between save and
+  load (the reader asks for the slices its own shard needs).
+- `rng/rank_<r>.pt`: each rank's Python, numpy and torch RNG states (tiny; restored per rank when the
+  world size is unchanged, otherwise rank 0's states on every rank).
+- `meta.json`: step, sampler state, observer state (the MLflow run id), the redacted config and the
+  layout that wrote the checkpoint, written by the logging rank LAST, after a barrier that follows every
+  rank's save: a step directory without `meta.json` is incomplete (a crash while saving) and is ignored
+  by `latest_checkpoint`. `dist_checkpointing` writes its own `metadata.json` last as well; the RNG
+  files and `meta.json` go to a temporary name first.
+
+Why `dist_checkpointing` and not `torch.distributed.checkpoint` directly: Megatron's model and optimizer
+already describe their shards (`sharded_state_dict`, TP/PP offsets, tied embeddings, the distributed
+optimizer's DP shards); on gloo, saves and reloads at TP=2, PP=2 and DP=2 run in seconds. (FEASIBILITY
+noted a first TP=2 probe that hung silently for 150 s; with the state dicts built inside `cuda_to_cpu()`,
+as here, TP=2 saved in about 6 s in every try, and the first hang was not reproduced, so its cause is
+unknown. Every collective here runs under the process group's timeout, and the tests under a launch
+timeout.) The saves are synchronous: Megatron's async path (`async_sharded_save` + `AsyncCallsQueue`)
+stages tensors with CUDA synchronisation and its persistent worker calls `torch.cuda.set_device`; it was
+not tried on CPU, and is not used (nor claimed) here. On a GPU it is the natural next step.
+
+The per-rank `rank_<r>.pt` pickles of earlier versions are not read: `load_checkpoint` refuses them with
+a message saying so.
 """
 
 from __future__ import annotations
@@ -20,21 +38,57 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
+from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
+from nemo_rollout_correction.distributed.runtime import barrier
+
+FORMAT = "nrc-dist-checkpoint/1"
+"""`meta.json["format"]` of this layout (sharded, layout-free)."""
+DIST_DIR = "dist"
+RNG_DIR = "rng"
+META_FILE = "meta.json"
+# The distributed optimizer's `fully_reshardable` format: on save its DP shards are gathered and stored per
+# parameter, in the parameter's own shape and TP/PP sharding (like the regular optimizer's state), so TP, PP
+# and DP may all change on load. (Megatron 0.16.1 rejects `fully_sharded_model_space`: "ShardedTensor.
+# flattened_range is not supported"; `dp_reshardable` allows DP changes only.)
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class Stateful(Protocol):
-    """An object with `state_dict()` / `load_state_dict()` (a torch optimizer, `PolicyOptimizer`)."""
+# ---- layout --------------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
+def current_layout(*, use_distributed_optimizer: bool) -> dict[str, Any]:
+    """TP/PP/CP/DP sizes and world size of this job (Megatron's `parallel_state`), recorded in `meta.json`."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()
+    dp = ps.get_data_parallel_world_size()
+    return {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "context_parallel_size": cp,
+            "data_parallel_size": dp, "world_size": tp * pp * cp * dp,
+            "use_distributed_optimizer": use_distributed_optimizer}
+
+
+def describe_layout_change(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """`"TP 2 -> 1, DP 1 -> 2"` when the layouts differ, else None (for the resume log line)."""
+    names = {"tensor_parallel_size": "TP", "pipeline_parallel_size": "PP", "context_parallel_size": "CP",
+             "data_parallel_size": "DP", "use_distributed_optimizer": "distributed optimizer"}
+    changes = [f"{short} {saved.get(key)} -> {current.get(key)}" for key, short in names.items()
+               if saved.get(key) != current.get(key)]
+    return ", ".join(changes) or None
+
+
+# ---- RNG -----------------------------------------------------------------------------------------------
 
 
 def rng_state() -> dict[str, Any]:
@@ -61,20 +115,281 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_rank_state(ckpt_dir: Path, step: int, rank: int, model: torch.nn.Module, optimizer: Stateful) -> Path:
-    """Write this rank's `rank_<r>.pt` for `step`; returns the step directory."""
-    step_dir = Path(ckpt_dir) / f"step_{step}"
-    step_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()},
-                       step_dir / f"rank_{rank}.pt")
-    return step_dir
+# ---- sharded state dicts -------------------------------------------------------------------------------
+
+
+def _chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _model_sharded_state(chunks: list[nn.Module]) -> dict[str, Any]:
+    """The model part: one chunk's `sharded_state_dict()`, or one per virtual-pipeline chunk (the tensor
+    names inside are global, so the nesting does not tie the checkpoint to a layout)."""
+    stages: list[Any] = list(chunks)  # Megatron modules (`sharded_state_dict` is not on nn.Module)
+    if len(stages) == 1:
+        state: dict[str, Any] = stages[0].sharded_state_dict()
+        return state
+    return {f"chunk{i}": stage.sharded_state_dict() for i, stage in enumerate(stages)}
+
+
+def _load_model_state(chunks: list[nn.Module], loaded: dict[str, Any]) -> None:
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(loaded)
+        return
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[f"chunk{i}"])
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Allocate Adam state before a load if no update has run yet.
+
+    Megatron's `DistributedOptimizer.sharded_state_dict(is_loading=True)` starts from `state_dict()`, which
+    on torch's Adam (no Apex/Transformer Engine: the CPU case) reads the step out of the per-parameter state
+    and asserts there is one; a freshly built optimizer has none. Megatron's own helper fills the state with
+    a zero-gradient step; the values are overwritten by the load.
+    """
+    for opt in _inner_optimizers(optimizer):
+        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        if init is not None and len(opt.optimizer.state) == 0:
+            init()
+
+
+def _optimizer_sharded_state(optimizer: Any, model_state: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+    """The optimizer part of the checkpoint: Megatron's `sharded_state_dict`, except for the non-distributed
+    bf16/fp16 optimizer (`Float16OptimizerWithFloat16Params`), built here (see `_float16_sharded_state`)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    inner = _inner_optimizers(optimizer)
+    if len(inner) == 1 and isinstance(inner[0], Float16OptimizerWithFloat16Params):
+        return _float16_sharded_state(inner[0], model_state, is_loading=is_loading)
+    state: dict[str, Any] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                         metadata=_OPTIMIZER_METADATA)
+    return state
+
+
+def _float16_sharded_state(opt: Any, model_state: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+    """`Float16OptimizerWithFloat16Params.sharded_state_dict` of Megatron 0.16.1, correct for models whose
+    parameters are not all bf16/fp16.
+
+    The policy's norm weights stay fp32 in a bf16 model (the torch norm fallback creates them in fp32), so a
+    param group holds both fp32 copies of bf16 weights and fp32 weights. Megatron numbers the optimizer
+    state by the bf16/fp16 parameters only and pairs the fp32 copies with the group's first ids: with mixed
+    groups the names are wrong or missing ("Param id 10 does not match any model sharded param"). Here the
+    ids follow the inner optimizer's own order (each fp32 copy mapped back to its model parameter); the
+    output has Megatron's structure, so its `load_state_dict` reads it back.
+    """
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state,
+    )
+
+    if is_loading:
+        opt.init_state_fn(opt.optimizer, opt.config)
+    state: dict[str, Any] = opt.state_dict()
+    model_of = {id(main): model for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups,
+                                                          strict=True)
+                for model, main in zip(models, mains, strict=True)}
+    ordered = [model_of.get(id(param), param) for group in opt.optimizer.param_groups for param in group["params"]]
+    id_to_sharded = get_param_id_to_sharded_param_map(model_state, ordered)
+    # Keyed by group index, not a list of lists: dist_checkpointing keeps an EMPTY group (the norm weights' group
+    # holds no bf16 weight) in the common part and drops full ones, so a list would come back misaligned
+    # ("Cannot merge two lists with different lengths"); `_load_optimizer_state` turns it back into a list.
+    groups = [
+        [make_sharded_optimizer_tensor(id_to_sharded[param_id], main, prefix="optimizer.state.fp32_param")
+         for param_id, main in zip(
+             [pid for pid, param in zip(saved_group["params"], group["params"], strict=True)
+              if id(param) in model_of],
+             mains, strict=True)]
+        for mains, saved_group, group in zip(state["fp32_from_fp16_params"], state["optimizer"]["param_groups"],
+                                             opt.optimizer.param_groups, strict=True)
+    ]
+    state["fp32_from_fp16_params"] = {f"group{i}": group for i, group in enumerate(groups)}
+    step = opt._extract_common_per_param_step(state["optimizer"])
+    optim_state_to_sharding_state(state["optimizer"], id_to_sharded, exclude_keys="step")
+    if step:
+        state["optimizer"]["state"]["common_step"] = step
+    return state
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What `load_checkpoint` restored."""
+
+    optimizer_loaded: bool
+    """False for a weights-only checkpoint (`checkpoint.save_optimizer=false`): Adam restarts from zero moments."""
+    rng_source_rank: int
+    """The saved rank whose RNG states this rank took (its own rank when the world size is unchanged)."""
+
+
+def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], optim: Any | None, *,
+                    rank: int, save_optimizer: bool = True, log: Callable[[str], None] = lambda message: None) -> None:
+    """Write this job's model state, optimizer state and RNG states to `step_dir`.
+
+    Collective: every rank of the job calls it with its own model chunk(s) and its `PolicyOptimizer`
+    (`models.optimizer`). `save_optimizer=False` (or `optim=None`) writes the weights only; the LR
+    scheduler's position is saved whenever `optim` is given (a few numbers). `meta.json` is not written here
+    (see `write_meta`). An existing `step_dir` (an incomplete save of the same step) is removed first so no
+    stale shard of another layout survives.
+    """
+    from megatron.core import dist_checkpointing
+
+    step_dir = Path(step_dir)
+    if rank == 0:
+        if step_dir.exists():
+            shutil.rmtree(step_dir)
+        (step_dir / DIST_DIR).mkdir(parents=True)
+        (step_dir / RNG_DIR).mkdir()
+    barrier()
+    chunks = _chunks(model)
+    with cuda_to_cpu():
+        model_state = _model_sharded_state(chunks)
+        state: dict[str, Any] = {"model": model_state}
+        if optim is not None:
+            state["scheduler"] = optim.scheduler.state_dict()
+            if save_optimizer:
+                state["optimizer"] = _optimizer_sharded_state(optim.optimizer, model_state, is_loading=False)
+        dist_checkpointing.save(state, str(step_dir / DIST_DIR))
+    _atomic_torch_save(rng_state(), step_dir / RNG_DIR / f"rank_{rank}.pt")
+    barrier()
+    log(f"[nrc train] checkpoint written to {step_dir} ({directory_size(step_dir) / 2**20:.1f} MiB)")
+
+
+def _check_format(step_dir: Path) -> None:
+    step_dir = Path(step_dir)
+    if not (step_dir / DIST_DIR).is_dir():
+        old = sorted(p.name for p in step_dir.glob("rank_*.pt"))
+        if old:
+            raise ValueError(
+                f"{step_dir} is a per-rank checkpoint ({', '.join(old)}) of an earlier nemo_rollout_correction "
+                f"version; this version reads only sharded checkpoints ({FORMAT}): start a fresh run (or "
+                "resume it with the version that wrote it)")
+        raise FileNotFoundError(f"{step_dir / DIST_DIR} is missing: not a complete checkpoint")
+
+
+def load_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], optim: Any, *, rank: int,
+                    world_size: int) -> LoadReport:
+    """Restore model, optimizer (when saved), LR schedule position and RNG states from `step_dir`.
+
+    Collective: every rank calls it; the layout may differ from the one that saved. After the load the
+    model's parameters, the optimizer's fp32 main params and Adam moments equal those saved, bit for bit.
+    The LR scheduler resumes at the saved update count under the CURRENT schedule settings (so a run may be
+    extended with a larger `run.num_steps`). A weights-only checkpoint restores the weights and the schedule
+    position; the optimizer's main params are refreshed from the loaded weights and its moments start at 0.
+    """
+    from megatron.core import dist_checkpointing
+
+    step_dir = Path(step_dir)
+    _check_format(step_dir)
+    meta = load_meta(step_dir)
+    has_optimizer = bool(meta.get("has_optimizer", True))
+    chunks = _chunks(model)
+    with cuda_to_cpu():
+        model_state = _model_sharded_state(chunks)
+        request: dict[str, Any] = {"model": model_state}
+        if has_optimizer:
+            _ensure_optimizer_state(optim.optimizer)
+            request["optimizer"] = _optimizer_sharded_state(optim.optimizer, model_state, is_loading=True)
+        loaded = dist_checkpointing.load(request, str(step_dir / DIST_DIR))
+        with torch.no_grad():  # in-place copies into leaf parameters
+            _load_model_state(chunks, loaded["model"])
+            if has_optimizer:
+                _load_optimizer_state(optim.optimizer, loaded["optimizer"])
+            else:
+                optim.optimizer.reload_model_params()  # fp32 main params <- the loaded weights
+    _restore_scheduler(optim, loaded.get("scheduler"))
+    saved_world = int(meta.get("layout", {}).get("world_size", -1))
+    source = rank if saved_world == world_size and (step_dir / RNG_DIR / f"rank_{rank}.pt").is_file() else 0
+    set_rng_state(torch.load(step_dir / RNG_DIR / f"rank_{source}.pt", map_location="cpu", weights_only=False))
+    return LoadReport(optimizer_loaded=has_optimizer, rng_source_rank=source)
+
+
+def _load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
+    """`optimizer.load_state_dict(state)`, around a Megatron 0.16.1 defect of the distributed optimizer.
+
+    On torch's Adam (no Apex/Transformer Engine: the CPU case) each parameter's state holds a `step`
+    tensor, and `load_parameter_state_from_fully_reshardable` copies EVERY state key from the checkpoint,
+    which (rightly) stores no per-parameter step: a KeyError. The step lives in the param groups of the
+    saved state; so the non-parameter part is loaded first (it sets the step), then the parameter state
+    with the step entries set aside. Afterwards each parameter gets its own step tensor
+    (`models.optimizer.untie_adam_steps`, another defect of the same load).
+    """
+    from nemo_rollout_correction.models.optimizer import untie_adam_steps
+
+    inner = _inner_optimizers(optimizer)
+    mains = state.get("fp32_from_fp16_params")
+    if isinstance(mains, dict):  # `_float16_sharded_state`'s form -> Megatron's list of groups
+        state = {**state, "fp32_from_fp16_params": [mains[f"group{i}"] for i in range(len(mains))]}
+    param_state = state.get("param_state") if len(inner) == 1 else None
+    if param_state is None or state.get("param_state_sharding_type") != "fully_reshardable":
+        optimizer.load_state_dict(state)
+    else:
+        (opt,) = inner
+        opt.load_state_dict({key: value for key, value in state.items()
+                             if key not in ("param_state", "param_state_sharding_type")})
+        adam_state = opt.optimizer.state
+        steps = {param: entry.pop("step") for param, entry in adam_state.items() if "step" in entry}
+        try:
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for param, step in steps.items():
+                adam_state[param]["step"] = step
+    untie_adam_steps(optimizer)
+
+
+def _restore_scheduler(optim: Any, state: dict[str, Any] | None) -> None:
+    """Megatron's scheduler asserts that its settings equal the checkpoint's unless told to override; the
+    schedule settings come from the current config (compared with the saved one by `trainer.resume_check`,
+    which lets only `run.num_steps` differ), the position (`num_steps`) from the checkpoint."""
+    if state is None:
+        return
+    scheduler = optim.scheduler
+    previous = scheduler.override_opt_param_scheduler
+    scheduler.override_opt_param_scheduler = True
+    try:
+        scheduler.load_state_dict(state)
+    finally:
+        scheduler.override_opt_param_scheduler = previous
+
+
+def load_model_weights(step_dir: Path, model_chunks: nn.Module | Sequence[nn.Module]) -> None:
+    """Load a checkpoint's model weights into a policy built at ANY layout (the exporter's entry point).
+
+    `step_dir` is a complete checkpoint directory (`<dir>/step_<N>`, see `latest_checkpoint`);
+    `model_chunks` is this rank's Megatron model stage (a `GPTModel`, or a list of virtual-pipeline chunks)
+    built for the current `megatron.core.parallel_state`, at any TP/PP/CP/DP sizes including a single
+    process (initialise a one-rank gloo group and `parallel_state.initialize_model_parallel()` first).
+    Collective over the job: every rank calls it with its own stage and reads only the slices it holds. The
+    model's parameters afterwards equal the saved ones bit for bit (in the dtype they were saved in, cast
+    to the model's dtype when they differ). Optimizer state, RNG and metadata are not touched.
+    """
+    from megatron.core import dist_checkpointing
+
+    step_dir = Path(step_dir)
+    _check_format(step_dir)
+    chunks = _chunks(model_chunks)
+    with cuda_to_cpu():
+        model_state = _model_sharded_state(chunks)
+        loaded = dist_checkpointing.load({"model": model_state}, str(step_dir / DIST_DIR))
+        with torch.no_grad():
+            _load_model_state(chunks, loaded["model"])
+
+
+# ---- meta and the checkpoint directory -----------------------------------------------------------------
 
 
 def write_meta(step_dir: Path, meta: dict[str, Any]) -> None:
-    """Mark the checkpoint complete (call after every rank's `save_rank_state` returned: a barrier)."""
-    tmp = step_dir / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
-    os.replace(tmp, step_dir / "meta.json")
+    """Mark the checkpoint complete (call after every rank's `save_checkpoint` returned: a barrier).
+
+    `format` is added; `layout` (from `current_layout`) and `has_optimizer` should be part of `meta`.
+    """
+    tmp = Path(step_dir) / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps({"format": FORMAT, **meta}, indent=2, sort_keys=True))
+    os.replace(tmp, Path(step_dir) / META_FILE)
 
 
 def complete_steps(ckpt_dir: Path) -> list[int]:
@@ -85,7 +400,7 @@ def complete_steps(ckpt_dir: Path) -> list[int]:
     steps = []
     for child in root.iterdir():
         match = _STEP_DIR.match(child.name)
-        if match and (child / "meta.json").is_file():
+        if match and (child / META_FILE).is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
 
@@ -98,24 +413,17 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 def load_meta(step_dir: Path) -> dict[str, Any]:
     """The `meta.json` of a complete checkpoint."""
-    meta: dict[str, Any] = json.loads((Path(step_dir) / "meta.json").read_text())
+    meta: dict[str, Any] = json.loads((Path(step_dir) / META_FILE).read_text())
     return meta
 
 
-def load_rank_state(step_dir: Path, rank: int, model: torch.nn.Module, optimizer: Stateful) -> None:
-    """Restore this rank's model shard, optimizer state and RNG states from `step_dir`."""
-    path = Path(step_dir) / f"rank_{rank}.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the checkpoint was written by a job with a different world size "
-                                f"or layout ({sorted(p.name for p in Path(step_dir).glob('rank_*.pt'))} present)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
+def directory_size(path: Path) -> int:
+    """Bytes of all files under `path`."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> list[int]:
-    """Delete all but the newest `keep_last` complete checkpoints (and incomplete older ones); returns removed steps."""
+    """Delete all but the newest `keep_last` complete checkpoints; returns the removed steps."""
     steps = complete_steps(ckpt_dir)
     removed = steps[:-keep_last] if keep_last > 0 else []
     for step in removed:
@@ -124,14 +432,19 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[int]:
 
 
 __all__ = [
-    "Stateful",
+    "FORMAT",
+    "LoadReport",
     "complete_steps",
+    "current_layout",
+    "describe_layout_change",
+    "directory_size",
     "latest_checkpoint",
+    "load_checkpoint",
     "load_meta",
-    "load_rank_state",
+    "load_model_weights",
     "prune",
     "rng_state",
-    "save_rank_state",
+    "save_checkpoint",
     "set_rng_state",
     "write_meta",
 ]

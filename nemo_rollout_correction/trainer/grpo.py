@@ -83,6 +83,7 @@ from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter, collect_step_rollouts
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
+from nemo_rollout_correction.trainer.resume_check import check_resume
 from nemo_rollout_correction.trainer.rewards import score
 from nemo_rollout_correction.trainer.scoring import score_microbatches, sequence_log_ratios
 from nemo_rollout_correction.trainer.settings import (
@@ -263,19 +264,31 @@ class GrpoTrainer:
             self.log(f"[nrc train] run.resume=true but no complete checkpoint in {self.ckpt_dir}: starting fresh")
             return None
         meta = ckpt.load_meta(step_dir)
-        ckpt.load_rank_state(step_dir, self.runtime.rank, self.policy.model, self.optim)
+        # Another model, task or objective refuses (one message naming every differing key); a layout may change.
+        check_resume(str(step_dir), meta.get("config", {}), redact_tree(to_dict(self.cfg)),
+                     has_optimizer=bool(meta.get("has_optimizer", True)))
+        changed = ckpt.describe_layout_change(meta.get("layout", {}), self._layout())
+        if changed:
+            self.log(f"[nrc train] resuming at another layout than the checkpoint's: {changed}")
+        report = ckpt.load_checkpoint(step_dir, self.policy.model, self.optim, rank=self.runtime.rank,
+                                      world_size=self.runtime.world_size)
+        if not report.optimizer_loaded:
+            self.log("[nrc train] weights-only checkpoint: the optimizer restarts with zero Adam moments")
         self.sampler.load_state_dict(meta["sampler"])
         self.step_index = int(meta["step"])
         self.refit()  # the engine started from the Hugging Face files: give it the checkpoint's weights
         self.log(f"[nrc train] resumed from {step_dir} (step {self.step_index})")
         return meta
 
+    def _layout(self) -> dict[str, Any]:
+        return ckpt.current_layout(use_distributed_optimizer=self.cfg.policy.use_distributed_optimizer)
+
     def save_checkpoint(self) -> Path:
         """Save every rank's state for the current step; the logging rank marks it complete and prunes."""
-        step_dir = ckpt.save_rank_state(
-            self.ckpt_dir, self.step_index, self.runtime.rank, self.policy.model, self.optim
-        )
-        barrier()
+        step_dir = self.ckpt_dir / f"step_{self.step_index}"
+        save_optimizer = self.cfg.checkpoint.save_optimizer
+        ckpt.save_checkpoint(step_dir, self.policy.model, self.optim, rank=self.runtime.rank,
+                             save_optimizer=save_optimizer, log=self.log)  # collective; ends in a barrier
         if self.runtime.is_main:
             ckpt.write_meta(
                 step_dir,
@@ -283,6 +296,8 @@ class GrpoTrainer:
                     "step": self.step_index,
                     "sampler": self.sampler.state_dict(),
                     "world_size": self.runtime.world_size,
+                    "layout": self._layout(),
+                    "has_optimizer": save_optimizer,
                     "observer": self.observer.checkpoint_state(),
                     "config": redact_tree(to_dict(self.cfg)),  # no credentials in checkpoint metadata
                 },

@@ -191,6 +191,7 @@ def resume(rank: int, world_size: int, hf_dir: str, dtype: str, distributed_opti
     """Two updates straight vs one update, checkpoint (trainer.checkpoint), fresh build, load, one update."""
     from megatron.core import parallel_state as ps
 
+    from nemo_rollout_correction.distributed.runtime import barrier
     from nemo_rollout_correction.trainer import checkpoint as ckpt
 
     try:
@@ -203,10 +204,15 @@ def resume(rank: int, world_size: int, hf_dir: str, dtype: str, distributed_opti
         policy, optim = _setup(hf_dir, dtype, **options)
         updater = _Updater(policy, optim)
         first = updater.update(updater.mini_batches[0])
-        step_dir = ckpt.save_rank_state(Path(ckpt_dir), 1, rank, policy.model, optim)
+        step_dir = Path(ckpt_dir) / "step_1"
+        ckpt.save_checkpoint(step_dir, policy.model, optim, rank=rank)  # collective, ends in a barrier
+        if rank == 0:
+            ckpt.write_meta(step_dir, {"step": 1, "has_optimizer": True, "layout": ckpt.current_layout(
+                use_distributed_optimizer=distributed_optimizer)})
+        barrier()  # meta.json written before any rank reads it
 
         fresh, fresh_optim = _setup(hf_dir, dtype, **options)
-        ckpt.load_rank_state(step_dir, rank, fresh.model, fresh_optim)
+        ckpt.load_checkpoint(step_dir, fresh.model, fresh_optim, rank=rank, world_size=world_size)
         updater.policy, updater.optim = fresh, fresh_optim  # same batch and old_logprobs, restored state
         second = updater.update(updater.mini_batches[0])
         return {"straight": straight, "resumed": [first, second], "straight_weights": straight_weights,

@@ -11,8 +11,8 @@ Real Megatron (`DistributedDataParallel`, `get_megatron_optimizer`, `finalize_mo
 - the updates equal the trainer's former optimizer (torch AdamW on the bare model with torch clipping);
 - the LR follows Megatron's warmup + linear/cosine decay formulas;
 - with 2 PPO epochs on a seeded batch the clip acts in the second epoch only;
-- a checkpoint (trainer.checkpoint with Megatron's optimizer state) resumes exactly without the distributed
-  optimizer (with it: an open gap, marked xfail).
+- a checkpoint (trainer.checkpoint with Megatron's optimizer state) resumes exactly, with and without the
+  distributed optimizer.
 """
 
 from __future__ import annotations
@@ -145,11 +145,9 @@ def test_second_ppo_epoch_clips(hf_dir: str) -> None:
 @pytest.mark.parametrize(("dtype", "world", "distributed_optimizer"), [
     ("float32", 1, False),
     ("bfloat16", 1, False),
-    # Open: after the reload the distributed optimizer's main params, Adam moments and step compare equal
-    # to the saved ones, and the next loss and grad norm are identical, yet the weights after that update
-    # differ by up to ~3e-4 (two fresh runs in one process agree exactly). Not yet explained.
-    pytest.param("bfloat16", 2, True, marks=pytest.mark.xfail(strict=True, reason="distributed-optimizer "
-                                                                "resume not yet bit-exact (see comment)")),
+    # Formerly a strict xfail (weights ~3e-4 off after the next update): Megatron's distributed-optimizer
+    # load shares one Adam `step` tensor between all parameters; `models.optimizer.untie_adam_steps` fixes it.
+    ("bfloat16", 2, True),
 ])
 def test_checkpoint_resumes_exactly(hf_dir: str, tmp_path: Path, dtype: str, world: int,
                                     distributed_optimizer: bool) -> None:
