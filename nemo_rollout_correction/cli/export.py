@@ -2,7 +2,8 @@
 
 The checkpoint's own saved configuration (`meta.json`) says which model and dtype the run trained; the
 policy is built at world size 1 (one process, TP = PP = CP = 1) from that model, the checkpoint's weights
-are loaded into it (`_load_checkpoint_weights`), and `models.hf_export.export_hf` writes the Hugging Face
+are loaded into it (`trainer.checkpoint.load_model_weights`, which reads a checkpoint saved at any
+TP/PP/CP/DP layout), and `models.hf_export.export_hf` writes the Hugging Face
 directory (config, sharded safetensors with an index above `--max-shard-size`, tokenizer and chat template,
 generation config), atomically.
 
@@ -51,36 +52,6 @@ def _without_redacted(tree: Any) -> Any:
     return tree
 
 
-def _load_checkpoint_weights(step_dir: Path, policy: Any, meta: dict[str, Any]) -> None:
-    """Load the model weights of the checkpoint in `step_dir` into `policy`, built at world size 1.
-
-    The one layout-dependent piece of `nrc export`. Today's checkpoints (trainer/checkpoint.py) are per-rank
-    `rank_<r>.pt` pickles of each rank's model shard: at TP = PP = CP = 1 every rank holds the whole model
-    (data-parallel replicas), so `rank_0.pt` is loaded as is. Checkpoints written at TP, PP or CP > 1 hold
-    shards and are refused with a clear error; a layout-free checkpoint format replaces this function with
-    its loader (same signature: step directory in, weights loaded into the world-size-1 policy).
-
-    Raises:
-        ValueError: the checkpoint was written at a layout with model parallelism.
-        FileNotFoundError: `rank_0.pt` is missing.
-    """
-    import torch
-
-    layout = meta.get("config", {}).get("policy", {})
-    sizes = {key: int(layout.get(key, 1)) for key in
-             ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")}
-    if any(size != 1 for size in sizes.values()):
-        shown = ", ".join(f"policy.{key}={size}" for key, size in sizes.items())
-        raise ValueError(f"{step_dir} was written with {shown}: this checkpoint format holds one model-parallel shard "
-                         "per rank file, and `nrc export` reads only TP = PP = CP = 1 checkpoints of it. Export such "
-                         "runs with export.at_end=true (any layout), or resume them at TP = PP = CP = 1")
-    path = step_dir / "rank_0.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: not a complete checkpoint")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    policy.model.load_state_dict(state["model"])
-
-
 def run_export(args: argparse.Namespace) -> int:
     """`nrc export`: see the module docstring; returns the exit code."""
     from nemo_rollout_correction.config import ConfigError, from_dict
@@ -117,7 +88,7 @@ def run_export(args: argparse.Namespace) -> int:
         policy = MegatronPolicy.from_hf(hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
         print("[nrc export] policy built at world size 1; loading the checkpoint's weights", file=sys.stderr,
               flush=True)
-        _load_checkpoint_weights(step_dir, policy, meta)
+        ckpt.load_model_weights(step_dir, policy.model)  # layout-free: any saved TP/PP/CP/DP
         export_hf(policy, out, runtime.groups, dtype=dtype, max_shard_size=max_shard_size, source_dir=hf_dir)
     except (ValueError, FileNotFoundError) as exc:
         print(f"nrc export: {exc}", file=sys.stderr)

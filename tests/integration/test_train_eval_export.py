@@ -6,7 +6,7 @@ One 2-step run of the tiny Llama on the arithmetic task with `eval.before_train=
   in MLflow, the eval progress lines and the last eval in the run summary;
 - `export.at_end`: `<run>/hf` is a Hugging Face model that transformers loads, and the summary prints its path;
 - `nrc export <run> --output DIR` rebuilds the policy at world size 1 from the TP1 checkpoint and writes the same
-  weights bit for bit; a checkpoint written at TP2 is refused with a message naming the layout.
+  weights bit for bit; a per-rank checkpoint of the earlier format is refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -110,15 +110,14 @@ def test_eval_metrics_and_exports(tmp_path: Path) -> None:
     assert all(half[name].dtype == torch.bfloat16 and torch.equal(half[name], t.to(torch.bfloat16))
                for name, t in at_end.items())
 
-    # a TP2 checkpoint of today's per-rank format is refused, naming the layout
-    fake = tmp_path / "tp2" / "step_2"
-    shutil.copytree(out / "checkpoints" / "step_2", fake)
-    meta = json.loads((fake / "meta.json").read_text())
-    meta["config"]["policy"]["tensor_parallel_size"] = 2
-    meta["config"]["launcher"]["nproc_per_node"] = 2
-    (fake / "meta.json").write_text(json.dumps(meta))
+    # a per-rank checkpoint of the earlier format is refused, naming what it is (the sharded format loads at
+    # any layout: tests/integration/test_checkpoint.py loads a TP2 save at world size 1)
+    fake = tmp_path / "old" / "step_2"
+    fake.mkdir(parents=True)
+    shutil.copy2(out / "checkpoints" / "step_2" / "meta.json", fake / "meta.json")
+    (fake / "rank_0.pt").write_bytes(b"")
     proc = _run(["export", str(fake.parent), "--output", str(tmp_path / "nope")], tmp_path)
-    assert proc.returncode == 1 and "policy.tensor_parallel_size=2" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 1 and "per-rank checkpoint" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "nope").exists()
     proc = _run(["export", str(tmp_path / "missing"), "--output", str(tmp_path / "nope")], tmp_path)
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
