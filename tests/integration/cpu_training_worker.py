@@ -50,7 +50,8 @@ def ddp_gradients(rank: int, world_size: int, hf_dir: str, dtype: str) -> dict[s
             ddp.zero_grad_buffer()
             run_microbatches(ddp, batch, loss, forward_only=False)
             grads[name] = {n: p.main_grad.detach().clone() for n, p in policy.model.named_parameters()}
-        return {"grads": grads, "calls": calls["add_cast_"]}
+        low_precision = sum(p.dtype != torch.float32 for p in policy.model.parameters() if p.requires_grad)
+        return {"grads": grads, "calls": calls["add_cast_"], "low_precision_params": low_precision}
     finally:
         cpu_training.add_cast_ = original  # type: ignore[assignment]
         ps.destroy_model_parallel()
