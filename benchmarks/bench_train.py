@@ -18,12 +18,15 @@ cost of rollout correction as a share of the step (target: < 1%), per mode and f
     .venv/bin/python benchmarks/bench_train.py --steps 6 model=tiny_llama
 
 `--optimizer` measures the update machinery alone (no vLLM): per-update time (forward + backward + gradient
-reduction + optimizer step) and peak RSS per rank, on the tiny Llama at DP = 2 and SmolLM2 at DP = 1, for
-fp32 / bf16 and with / without Megatron's distributed optimizer, next to the hand-written path (torch AdamW,
-hand-written all-reduce and clipping) of the tree given by `--old-tree` (e.g. a `git worktree` of 71062bd):
+reduction + optimizer step), as wall time and as CPU time of the rank process, and peak RSS per rank, on the
+tiny Llama at DP = 2 and SmolLM2 at DP = 1 and DP = 2, for fp32 / bf16 and with / without Megatron's
+distributed optimizer, next to the hand-written path (torch AdamW, hand-written all-reduce and clipping) of
+the tree given by `--old-tree` (e.g. a `git worktree` of 71062bd). CPU time is the steadier figure on a
+shared machine: wall time also counts the waits for cores other jobs hold.
 
     git worktree add /tmp/old71062bd 71062bd
     .venv/bin/python benchmarks/bench_train.py --optimizer --old-tree /tmp/old71062bd
+    .venv/bin/python benchmarks/bench_train.py --optimizer --old-tree /tmp/old71062bd --groups tiny,smollm2-dp1
 """
 
 from __future__ import annotations
@@ -71,12 +74,14 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
 
 # ---- --optimizer: the update machinery, new (Megatron) vs old (hand-written) ----------------------------
 
-OPT_CONFIGS = [  # (model, dp, dtype, distributed optimizer); the old tree runs the rows without one
-    ("tiny-llama", 2, "float32", False), ("tiny-llama", 2, "float32", True),
-    ("tiny-llama", 2, "bfloat16", False), ("tiny-llama", 2, "bfloat16", True),
-    ("smollm2-135m", 1, "float32", False), ("smollm2-135m", 1, "bfloat16", False),
-    ("smollm2-135m", 1, "bfloat16", True),
-]
+OPT_GROUPS = {  # group -> rows (model, dp, dtype, distributed optimizer); the old tree runs the rows without one
+    "tiny": [("tiny-llama", 2, "float32", False), ("tiny-llama", 2, "float32", True),
+             ("tiny-llama", 2, "bfloat16", False), ("tiny-llama", 2, "bfloat16", True)],
+    "smollm2-dp1": [("smollm2-135m", 1, "float32", False), ("smollm2-135m", 1, "bfloat16", False)],
+    # DP = 2 is where the distributed optimizer shards something: 1/2 of the fp32 main weights and Adam moments
+    "smollm2-dp2": [("smollm2-135m", 2, "float32", False), ("smollm2-135m", 2, "float32", True),
+                    ("smollm2-135m", 2, "bfloat16", False), ("smollm2-135m", 2, "bfloat16", True)],
+}
 
 
 def _opt_rank(rank: int, world: int, port: int, spec: dict[str, object], out: str) -> None:
@@ -132,13 +137,16 @@ def _opt_rank(rank: int, world: int, port: int, spec: dict[str, object], out: st
     def loss(index: int, logits: torch.Tensor) -> torch.Tensor:
         return -policy.logprobs_from_logits(logits, batch[index]).mean() / 2
 
-    times = []
-    for _ in range(int(spec["updates"])):
-        start = time.perf_counter()
+    times, cpu_times = [], []
+    for index in range(int(spec["updates"])):
+        start, cpu_start = time.perf_counter(), time.process_time()
         update()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+        print(f"[bench_train] rank {rank} update {index + 1}/{spec['updates']}: {times[-1]:.3f} s", file=sys.stderr,
+              flush=True)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "rss_mib": rss_mib}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "cpu_times": cpu_times, "rss_mib": rss_mib}))
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -158,16 +166,22 @@ def _opt_child(spec_json: str) -> int:
                            start_method="spawn")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(int(spec["dp"]))]
     measured = [t for r in ranks for t in r["times"][1:]]  # the first update warms up
-    print(json.dumps({"update_s": statistics.median(measured), "rss_mib": max(r["rss_mib"] for r in ranks)}))
+    cpu = [t for r in ranks for t in r["cpu_times"][1:]]
+    print(json.dumps({"update_s": statistics.median(measured), "cpu_s": statistics.median(cpu),
+                      "rss_mib": max(r["rss_mib"] for r in ranks)}))
     return 0
 
 
-def run_optimizer_bench(old_tree: str | None, updates: int, repeats: int) -> None:
+def run_optimizer_bench(old_tree: str | None, updates: int, repeats: int, groups: list[str]) -> None:
     """Interleave old/new runs of every configuration `repeats` times; print medians side by side."""
     here = str(Path(__file__).resolve().parents[1])
+    unknown = sorted(set(groups) - set(OPT_GROUPS))
+    if unknown:
+        raise SystemExit(f"--groups: unknown {', '.join(unknown)}; allowed: {', '.join(OPT_GROUPS)}")
+    configs = [row for group in groups for row in OPT_GROUPS[group]]
     results: dict[tuple[object, ...], dict[str, list[float]]] = {}
     for _ in range(repeats):
-        for model, dp, dtype, dist_opt in OPT_CONFIGS:
+        for model, dp, dtype, dist_opt in configs:
             rows, width = (4, 64) if model == "tiny-llama" else (2, 96)
             impls = ["new"] + (["old"] if old_tree and not dist_opt else [])
             for impl in impls:
@@ -185,16 +199,17 @@ def run_optimizer_bench(old_tree: str | None, updates: int, repeats: int) -> Non
                 for name, value in got.items():
                     results.setdefault(key, {}).setdefault(name, []).append(value)
                 print(f"[bench_train] {key}: {got}", file=sys.stderr, flush=True)
-    print(f"{'model':<14}{'dp':>3}{'dtype':>10}{'dist opt':>9}{'impl':>6}{'update s':>10}{'peak RSS MiB/rank':>19}"
-          f"{'time new/old':>14}{'RSS new/old':>13}")
+    print(f"{'model':<14}{'dp':>3}{'dtype':>10}{'dist opt':>9}{'impl':>6}{'wall s':>9}{'cpu s':>9}"
+          f"{'peak RSS MiB/rank':>19}{'wall new/old':>14}{'cpu new/old':>13}{'RSS new/old':>13}")
     for (model, dp, dtype, dist_opt, impl), value in results.items():
-        t, rss = statistics.median(value["update_s"]), statistics.median(value["rss_mib"])
+        t, cpu = statistics.median(value["update_s"]), statistics.median(value["cpu_s"])
+        rss = statistics.median(value["rss_mib"])
         old = results.get((model, dp, dtype, False, "old"))
         ratio = ""
         if impl == "new" and old:
-            ratio = (f"{t / statistics.median(old['update_s']):>14.2f}"
+            ratio = (f"{t / statistics.median(old['update_s']):>14.2f}{cpu / statistics.median(old['cpu_s']):>13.2f}"
                      f"{rss / statistics.median(old['rss_mib']):>13.2f}")
-        print(f"{model:<14}{dp:>3}{dtype:>10}{dist_opt!s:>9}{impl:>6}{t:>10.3f}{rss:>19.0f}{ratio}")
+        print(f"{model:<14}{dp:>3}{dtype:>10}{dist_opt!s:>9}{impl:>6}{t:>9.3f}{cpu:>9.3f}{rss:>19.0f}{ratio}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--old-tree", help="--optimizer: a checkout of the hand-written optimizer (e.g. 71062bd)")
     parser.add_argument("--updates", type=int, default=4, help="--optimizer: updates per run (first is warm-up)")
     parser.add_argument("--repeats", type=int, default=2, help="--optimizer: interleaved repeats per config")
+    parser.add_argument("--groups", default=",".join(OPT_GROUPS),
+                        help=f"--optimizer: comma-separated row groups ({', '.join(OPT_GROUPS)})")
     parser.add_argument("overrides", nargs="*", help="nrc train overrides applied to every mode")
     args = parser.parse_args(argv)
     if args.optimizer:
-        run_optimizer_bench(args.old_tree, args.updates, args.repeats)
+        run_optimizer_bench(args.old_tree, args.updates, args.repeats, args.groups.split(","))
         return 0
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:

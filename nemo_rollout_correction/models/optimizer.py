@@ -21,7 +21,9 @@
 
 The bare model stays the policy's `model` (weight export, scoring); the DDP wrapper is what the loss pass
 runs through (its backward hooks fill the gradient buffer). On CPU all of it runs inside
-`distributed.cpu_compat.cuda_to_cpu()`; on GPU these are the plain library calls.
+`distributed.cpu_compat.cuda_to_cpu()`, with the bit-identical fast paths of `models.cpu_training` (a
+vectorised bf16/fp16 -> fp32 gradient accumulation, no temporaries in Megatron's no-Apex
+`multi_tensor_scale`); on GPU these are the plain library calls.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
+from nemo_rollout_correction.models.cpu_training import cpu_ddp_class, install_multi_tensor_scale
 
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine")
@@ -126,8 +129,14 @@ class PolicyOptimizer:
             initial_loss_scale=settings.initial_loss_scale,
             use_distributed_optimizer=settings.use_distributed_optimizer,
         )
+        # On CPU: Megatron's machinery with the bit-identical fast paths of `models.cpu_training` (a vectorised
+        # bf16/fp16 -> fp32 gradient accumulation, no temporaries in the no-Apex `multi_tensor_scale`).
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            install_multi_tensor_scale()
+        ddp_class = cpu_ddp_class() if on_cpu else DistributedDataParallel
         with cuda_to_cpu():
-            self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+            self.ddp = ddp_class(config=config, ddp_config=ddp_config, module=model)
             self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
         config.finalize_model_grads_func = finalize_model_grads
         # fp16: the schedule multiplies each microbatch loss by the current loss scale before backward;

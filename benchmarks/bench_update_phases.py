@@ -1,0 +1,181 @@
+"""Where an optimizer update spends its time on CPU: the Megatron path vs the former hand-written path, per phase.
+
+Three update paths on the same model and batch, built side by side in ONE process and run interleaved (so
+machine load hits them alike), each phase timed in CPU time of this thread and in wall time:
+
+  megatron        the trainer's path: Megatron DDP + `get_megatron_optimizer` via `models.optimizer`,
+                  with the CPU fast paths of `models.cpu_training`
+  megatron-plain  the same without those fast paths (Megatron's own DDP hook and no-Apex multi_tensor_scale)
+  hand-written    the path before issue 11 (commit 71062bd): torch AdamW on the model's own parameters,
+                  gradients accumulated in `.grad`, a flat all-reduce, a float64 global-norm clip
+
+Phases: `fwdbwd` (Megatron's schedule: forward, loss, backward; for the Megatron paths also the DDP hooks
+and `finalize_model_grads`), `step` (Megatron: `optimizer.step()`, which clips and updates; hand-written:
+all-reduce + clip + AdamW), `zero`. The first update is warm-up and excluded; medians of the rest.
+
+    python benchmarks/bench_update_phases.py --model tiny-llama --dtype float32 --dp 2
+    python benchmarks/bench_update_phases.py --model <hf dir> --dtype bfloat16 --updates 6
+
+`--model` takes what `nrc train` takes (`tiny-llama`, `smollm2-135m`, or a Hugging Face directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+PATHS = ("megatron", "megatron-plain", "hand-written")
+
+
+def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from nemo_rollout_correction.models import optimizer as policy_optimizer
+    from nemo_rollout_correction.models.cpu_training import install_multi_tensor_scale
+    from nemo_rollout_correction.models.megatron_cpu import patch_cuda_for_cpu
+    from nemo_rollout_correction.models.policy import MegatronPolicy
+    from nemo_rollout_correction.models.schedule import run_microbatches
+    from nemo_rollout_correction.models.sources import resolve_model_source
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=900))
+    patch_cuda_for_cpu()
+    ps.initialize_model_parallel()
+    source = resolve_model_source(args["model"])
+    gen = torch.Generator().manual_seed(rank)
+    batch = [torch.randint(0, 400, (args["rows"], args["width"]), generator=gen) for _ in range(2)]
+    install_multi_tensor_scale()
+    fast_scale = megatron_optimizer.multi_tensor_scale_impl
+
+    def use_scale(impl: Any) -> None:  # module globals: switched per path before each update
+        megatron_optimizer.multi_tensor_scale_impl = impl
+        clip_grads.multi_tensor_scale_impl = impl
+
+    updates: dict[str, Any] = {}
+    for name in PATHS:
+        policy = MegatronPolicy.from_hf(source, params_dtype=args["dtype"])
+
+        def loss(index: int, logits: torch.Tensor, policy: Any = policy) -> torch.Tensor:
+            return -policy.logprobs_from_logits(logits, batch[index]).mean() / 2
+
+        if name != "hand-written":
+            plain = name == "megatron-plain"
+            original = policy_optimizer.cpu_ddp_class
+            if plain:  # Megatron's own DDP class instead of the CPU subclass
+                policy_optimizer.cpu_ddp_class = lambda: DistributedDataParallel  # type: ignore[assignment]
+            try:
+                optim = policy_optimizer.build_policy_optimizer(policy.model, policy_optimizer.OptimizerSettings(
+                    lr=1e-5, total_updates=100))
+            finally:
+                policy_optimizer.cpu_ddp_class = original  # type: ignore[assignment]
+
+            def update(timed: Any, optim: Any = optim, loss: Any = loss, plain: bool = plain) -> None:
+                use_scale(local_multi_tensor_scale if plain else fast_scale)
+                timed("zero", optim.zero_grad)
+                timed("fwdbwd", lambda: run_microbatches(optim.module, batch, loss, forward_only=False))
+                timed("step", optim.step)
+        else:
+            params = [p for p in policy.model.parameters() if p.requires_grad]
+            adamw = torch.optim.AdamW(params, lr=1e-5)
+
+            def hand_written_step(params: list[Any] = params, adamw: Any = adamw) -> None:
+                if world > 1:  # 71062bd's all_reduce_gradients: one flat buffer
+                    grads = [p.grad for p in params]
+                    flat = torch.cat([g.reshape(-1) for g in grads])
+                    dist.all_reduce(flat)
+                    offset = 0
+                    for grad in grads:
+                        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                        offset += grad.numel()
+                squares = torch.zeros((), dtype=torch.float64)  # 71062bd's clip_grad_norm (TP = PP = 1)
+                for param in params:
+                    squares += param.grad.detach().double().pow(2).sum()
+                norm = math.sqrt(float(squares))
+                if norm > 1.0:
+                    for param in params:
+                        param.grad.mul_(1.0 / (norm + 1e-6))
+                adamw.step()
+
+            def update(timed: Any, policy: Any = policy, loss: Any = loss, adamw: Any = adamw,
+                       step: Any = hand_written_step) -> None:
+                timed("zero", lambda: adamw.zero_grad(set_to_none=True))
+                timed("fwdbwd", lambda: run_microbatches(policy.model, batch, loss, forward_only=False))
+                timed("step", step)
+        updates[name] = update
+
+    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for index in range(args["updates"]):
+        for name, update in updates.items():
+            phases: dict[str, tuple[float, float]] = {}
+
+            def timed(phase: str, fn: Any, phases: dict[str, tuple[float, float]] = phases) -> None:
+                cpu, wall = time.thread_time(), time.perf_counter()
+                fn()
+                phases[phase] = (time.thread_time() - cpu, time.perf_counter() - wall)
+
+            update(timed)
+            if index == 0:
+                continue  # warm-up
+            for phase, value in phases.items():
+                samples[f"{name}/{phase}"].append(value)
+            samples[f"{name}/update"].append((sum(v[0] for v in phases.values()), sum(v[1] for v in phases.values())))
+        if rank == 0:
+            print(f"[bench_update_phases] update {index + 1}/{args['updates']} done", file=sys.stderr, flush=True)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(samples))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama", help="tiny-llama, smollm2-135m or a Hugging Face dir")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (gloo processes)")
+    parser.add_argument("--updates", type=int, default=8, help="updates per path (the first is warm-up)")
+    parser.add_argument("--rows", type=int, default=2, help="rows per microbatch (two microbatches per update)")
+    parser.add_argument("--width", type=int, default=96, help="tokens per row")
+    args = parser.parse_args(argv)
+    if args.updates < 2:
+        parser.error("--updates must be >= 2 (the first is warm-up)")
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank, args=(args.dp, port, vars(args), out), nprocs=args.dp, start_method="spawn")
+        samples = json.loads(Path(out, "rank0.json").read_text())
+    print(f"{args.model} {args.dtype} DP={args.dp}: medians over {args.updates - 1} updates, rank 0, ms")
+    print(f"{'phase':<10}" + "".join(f"{name + ' cpu':>20}{'wall':>8}" for name in PATHS))
+    for phase in ("fwdbwd", "step", "zero", "update"):
+        row = f"{phase:<10}"
+        for name in PATHS:
+            values = samples[f"{name}/{phase}"]
+            row += (f"{1000 * statistics.median(v[0] for v in values):>20.1f}"
+                    f"{1000 * statistics.median(v[1] for v in values):>8.1f}")
+        print(row)
+    cpu = {name: statistics.median(v[0] for v in samples[f"{name}/update"]) for name in PATHS}
+    print(f"update CPU time megatron / hand-written = {cpu['megatron'] / cpu['hand-written']:.2f}; "
+          f"megatron / megatron-plain = {cpu['megatron'] / cpu['megatron-plain']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
