@@ -309,28 +309,42 @@ class GrpoTrainer:
     # ---- one step ----------------------------------------------------------------------------------
 
     def rollout(self, records: list[PromptRecord], attempt: int = 0) -> tuple[RolloutBatch, list[float]]:
-        """Generate on the engine rank, score, broadcast; identical (batch, rewards) on every rank.
+        """Generate and score `records` for the current step; identical (batch, rewards) on every rank (collective).
 
         `attempt` k > 0 is the step's k-th dynamic-sampling refill: its request seeds follow those of the
         batches before it, so every refill samples afresh and a resumed run draws the same tokens.
         """
-        batch: RolloutBatch | None = None
-        rewards: list[float] | None = None
-        if self.engine is not None:
-            prompts = [self.prompt_token_ids(r) for r in records]
-            offset = attempt * len(records) * self.cfg.rollout.num_samples_per_prompt
-            batch = self.engine.generate(
-                prompts, self.sampling, seed=self.cfg.rollout_seed + self.step_index * _STEP_SEED_STRIDE + offset
-            )
-            completions = [s.text for s in batch.samples]
-            sample_records = [records[s.prompt_index] for s in batch.samples]
-            rewards = score(
-                self.task.reward_fn,
-                [r.prompt for r in sample_records],
-                completions,
-                sample_records,
-                [len(s.token_ids) for s in batch.samples],
-            )
+        return self.share_rollouts(self.generate_local(records, step=self.step_index, attempt=attempt))
+
+    def request_seed(self, step: int, attempt: int, num_prompts: int) -> int:
+        """The request seed of prompt 0 of a `generate` call (prompt i gets `+ i * n`, see `VllmRolloutEngine`)."""
+        offset = attempt * num_prompts * self.cfg.rollout.num_samples_per_prompt
+        return self.cfg.rollout_seed + step * _STEP_SEED_STRIDE + offset
+
+    def generate_local(self, records: list[PromptRecord], *, step: int,
+                       attempt: int = 0) -> tuple[RolloutBatch, list[float]] | None:
+        """This rank's engine generates and scores `records` for `step` (None on ranks without an engine).
+
+        No collectives: safe to run beside training in another thread. `share_rollouts` then gives every rank
+        the step's batch.
+        """
+        if self.engine is None:
+            return None
+        prompts = [self.prompt_token_ids(r) for r in records]
+        batch = self.engine.generate(prompts, self.sampling, seed=self.request_seed(step, attempt, len(records)))
+        sample_records = [records[s.prompt_index] for s in batch.samples]
+        rewards = score(
+            self.task.reward_fn,
+            [r.prompt for r in sample_records],
+            [s.text for s in batch.samples],
+            sample_records,
+            [len(s.token_ids) for s in batch.samples],
+        )
+        return batch, rewards
+
+    def share_rollouts(self, local: tuple[RolloutBatch, list[float]] | None) -> tuple[RolloutBatch, list[float]]:
+        """Collective: the engine rank's (batch, rewards) on every rank of the job."""
+        batch, rewards = local if local is not None else (None, None)
         shared, rewards = broadcast_rollouts(batch, rewards)
         return shared, list(rewards)
 
@@ -574,21 +588,32 @@ class GrpoTrainer:
                 handle.write(json.dumps({"step": self.step_index, **metrics}) + "\n")
 
     def refit(self) -> float:
-        """Push the current weights into the engine.
+        """Push the current weights into the engine (collective); returns the engine rank's seconds (0 elsewhere)."""
+        weights = self.gather_engine_weights()
+        return self.push_weights(weights) if weights is not None else 0.0
+
+    def gather_engine_weights(self) -> dict[str, Tensor] | None:
+        """The current weights as full Hugging Face tensors on the engine rank; None elsewhere (collective).
 
         The pipeline of dp/cp rank 0 takes part: every stage gathers its TP shards (all TP ranks join the
-        all-gathers), then TP rank 0 of each stage sends its part to stage 0, where the engine is.
+        all-gathers), then TP rank 0 of each stage sends its part to stage 0, where the engine is. The
+        tensors are copies: training may go on while the engine loads them.
         """
         if self.groups.dp_rank != 0 or self.groups.cp_rank != 0:
-            return 0.0
+            return None
         weights = self.policy.hf_weights(dtype=None)
         if self.groups.tp_rank == 0:
             weights = gather_weights_to_first_stage(weights, self.groups)
         if self.engine is None:
             for _ in weights:  # take part in the gathers
                 pass
-            return 0.0
-        return self.engine.refit(weights)
+            return None
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+
+    def push_weights(self, weights: dict[str, Tensor]) -> float:
+        """Load `weights` into this rank's engine (no collectives); returns the seconds taken."""
+        assert self.engine is not None, "push_weights runs on an engine rank"
+        return self.engine.refit(weights.items())
 
     def _metrics(self, batch: RolloutBatch, rewards: Tensor, updates: list[Update],
                  timings: dict[str, float]) -> dict[str, float]:
