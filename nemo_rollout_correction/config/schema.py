@@ -337,6 +337,9 @@ class CheckpointConfig:
     keep_last: int = _f(2, "Keep only the newest N checkpoints.")
     save_optimizer: bool = _f(True, "Save the optimizer state (fp32 main weights, Adam moments) with the weights; "
                               "false writes weights-only checkpoints (a resume restarts Adam's moments at zero).")
+    async_save: bool = _f(False, "Write checkpoints in the background (Megatron's async dist_checkpointing): training "
+                                 "goes on while a forked writer saves the state of the save call; the checkpoint "
+                                 "counts as complete once the writer finished (checked after every step).")
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.every_n_steps", self.every_n_steps, 0)

@@ -23,9 +23,16 @@ optimizer's DP shards); on gloo, saves and reloads at TP=2, PP=2 and DP=2 run in
 noted a first TP=2 probe that hung silently for 150 s; with the state dicts built inside `cuda_to_cpu()`,
 as here, TP=2 saved in about 6 s in every try, and the first hang was not reproduced, so its cause is
 unknown. Every collective here runs under the process group's timeout, and the tests under a launch
-timeout.) The saves are synchronous: Megatron's async path (`async_sharded_save` + `AsyncCallsQueue`)
-stages tensors with CUDA synchronisation and its persistent worker calls `torch.cuda.set_device`; it was
-not tried on CPU, and is not used (nor claimed) here. On a GPU it is the natural next step.
+timeout.)
+
+Asynchronous saves (`checkpoint.async_save`): Megatron's own path, `dist_checkpointing.save(...,
+async_sharded_save=True)` scheduled on its `AsyncCallsQueue`. The queue forks a writer process right
+after the state dict is built, so the writer sees the weights of that moment (copy-on-write) while
+training goes on; `finalize_checkpoints` (collective, every step) completes the finished saves: Megatron's
+metadata, then ours (`meta.json`, last). A save that dies in the background therefore leaves no
+`meta.json` and is never resumed from. On CPU the queue's CUDA calls are satisfied by
+`distributed.cpu_compat` (device "cpu", a no-op synchronize); on GPU the same path stages tensors to
+host memory first (Megatron's code, not run here: unverified).
 
 The per-rank `rank_<r>.pt` pickles of earlier versions are not read: `load_checkpoint` refuses them with
 a message saying so.
@@ -227,14 +234,20 @@ class LoadReport:
 
 
 def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], optim: Any | None, *,
-                    rank: int, save_optimizer: bool = True, log: Callable[[str], None] = lambda message: None) -> None:
+                    rank: int, save_optimizer: bool = True, log: Callable[[str], None] = lambda message: None,
+                    on_complete: Callable[[], None] | None = None, async_queue: Any | None = None) -> None:
     """Write this job's model state, optimizer state and RNG states to `step_dir`.
 
     Collective: every rank of the job calls it with its own model chunk(s) and its `PolicyOptimizer`
     (`models.optimizer`). `save_optimizer=False` (or `optim=None`) writes the weights only; the LR
-    scheduler's position is saved whenever `optim` is given (a few numbers). `meta.json` is not written here
-    (see `write_meta`). An existing `step_dir` (an incomplete save of the same step) is removed first so no
-    stale shard of another layout survives.
+    scheduler's position is saved whenever `optim` is given (a few numbers). `meta.json` is not written here:
+    `on_complete` (called on every rank once every shard is on disk) is where the caller writes it (see
+    `write_meta`). An existing `step_dir` (an incomplete save of the same step) is removed first so no stale
+    shard of another layout survives.
+
+    With `async_queue` (Megatron's `AsyncCallsQueue`, see `new_async_queue`) the shards are written by a
+    background process and the call returns at once; `on_complete` then runs inside a later
+    `finalize_checkpoints`.
     """
     from megatron.core import dist_checkpointing
 
@@ -253,10 +266,39 @@ def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
             state["scheduler"] = optim.scheduler.state_dict()
             if save_optimizer:
                 state["optimizer"] = _optimizer_sharded_state(optim.optimizer, model_state, is_loading=False)
-        dist_checkpointing.save(state, str(step_dir / DIST_DIR))
+        request = dist_checkpointing.save(state, str(step_dir / DIST_DIR), async_sharded_save=async_queue is not None)
     _atomic_torch_save(rng_state(), step_dir / RNG_DIR / f"rank_{rank}.pt")
     barrier()
-    log(f"[nrc train] checkpoint written to {step_dir} ({directory_size(step_dir) / 2**20:.1f} MiB)")
+
+    def complete() -> None:
+        log(f"[nrc train] checkpoint written to {step_dir} ({directory_size(step_dir) / 2**20:.1f} MiB)")
+        if on_complete is not None:
+            on_complete()
+
+    if async_queue is None:
+        complete()
+        return
+    request.add_finalize_fn(complete)
+    with cuda_to_cpu():
+        async_queue.schedule_async_request(request)  # forks the writer: it sees the weights of this moment
+    log(f"[nrc train] checkpoint {step_dir.name}: writing in the background")
+
+
+def new_async_queue() -> Any:
+    """Megatron's `AsyncCallsQueue` for `save_checkpoint(async_queue=...)` (a fresh writer process per save)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue(persistent=False)
+
+
+def finalize_checkpoints(async_queue: Any | None, *, blocking: bool = False) -> int:
+    """Complete the background saves that have finished on every rank (all of them with `blocking`); returns
+    how many are still running. Collective: every rank calls it at the same point (one small all-reduce)."""
+    if async_queue is None:
+        return 0
+    with cuda_to_cpu():
+        async_queue.maybe_finalize_async_calls(blocking=blocking)
+    return int(async_queue.get_num_unfinalized_calls())
 
 
 def _check_format(step_dir: Path) -> None:
@@ -438,10 +480,12 @@ __all__ = [
     "current_layout",
     "describe_layout_change",
     "directory_size",
+    "finalize_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
     "load_meta",
     "load_model_weights",
+    "new_async_queue",
     "prune",
     "rng_state",
     "save_checkpoint",

@@ -231,6 +231,8 @@ class GrpoTrainer:
             self.engine = VllmRolloutEngine(engine_options(cfg, str(self.hf_dir)))
             self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         self.step_index = 0
+        # checkpoint.async_save: Megatron's queue of background saves (trainer/checkpoint.py)
+        self.async_checkpoints = ckpt.new_async_queue() if cfg.checkpoint.async_save else None
         self._timings: dict[str, float] = {}  # seconds per phase of the current step (`_timed`)
         # held-out evaluation on the engine rank (trainer/evaluation.py); the HF export of the end of the run
         self.evaluator = evaluation.build_evaluator(cfg, self.task, self.prompt_token_ids) if runtime.is_main else None
@@ -284,27 +286,40 @@ class GrpoTrainer:
         return ckpt.current_layout(use_distributed_optimizer=self.cfg.policy.use_distributed_optimizer)
 
     def save_checkpoint(self) -> Path:
-        """Save every rank's state for the current step; the logging rank marks it complete and prunes."""
+        """Save every rank's state for the current step; the logging rank marks it complete and prunes.
+
+        With `checkpoint.async_save` the shards are written in the background and the checkpoint is marked
+        complete by a later `finalize_checkpoints` (after a step, or at the end of the run); the metadata is
+        taken now, so it describes this step.
+        """
         step_dir = self.ckpt_dir / f"step_{self.step_index}"
         save_optimizer = self.cfg.checkpoint.save_optimizer
+        meta = {
+            "step": self.step_index,
+            "sampler": self.sampler.state_dict(),
+            "world_size": self.runtime.world_size,
+            "layout": self._layout(),
+            "has_optimizer": save_optimizer,
+            "observer": self.observer.checkpoint_state(),
+            "config": redact_tree(to_dict(self.cfg)),  # no credentials in checkpoint metadata
+        }
+
+        def mark_complete() -> None:  # every rank, once every shard is on disk
+            if self.runtime.is_main:
+                ckpt.write_meta(step_dir, meta)
+                ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
+            barrier()
+
         ckpt.save_checkpoint(step_dir, self.policy.model, self.optim, rank=self.runtime.rank,
-                             save_optimizer=save_optimizer, log=self.log)  # collective; ends in a barrier
-        if self.runtime.is_main:
-            ckpt.write_meta(
-                step_dir,
-                {
-                    "step": self.step_index,
-                    "sampler": self.sampler.state_dict(),
-                    "world_size": self.runtime.world_size,
-                    "layout": self._layout(),
-                    "has_optimizer": save_optimizer,
-                    "observer": self.observer.checkpoint_state(),
-                    "config": redact_tree(to_dict(self.cfg)),  # no credentials in checkpoint metadata
-                },
-            )
-            ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
-        barrier()
+                             save_optimizer=save_optimizer, log=self.log, on_complete=mark_complete,
+                             async_queue=self.async_checkpoints)  # collective
         return step_dir
+
+    def finalize_checkpoints(self, *, blocking: bool = False) -> None:
+        """Complete the background checkpoints that are on disk (all of them with `blocking`); collective."""
+        pending = ckpt.finalize_checkpoints(self.async_checkpoints, blocking=blocking)
+        if blocking and self.async_checkpoints is not None:
+            assert pending == 0, "every background checkpoint is finalized after a blocking finalize"
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -755,6 +770,8 @@ class GrpoTrainer:
                 every = self.cfg.checkpoint.every_n_steps
                 if (every > 0 and self.step_index % every == 0) or self.step_index == total:
                     self.save_checkpoint()
+                self.finalize_checkpoints()  # async saves: mark those written since the last step complete
+            self.finalize_checkpoints(blocking=True)
             if self.cfg.export.at_end:
                 self.export()
             status = "FINISHED"

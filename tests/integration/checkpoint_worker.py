@@ -58,6 +58,36 @@ def save_after_update(rank: int, world_size: int, hf_dir: str, step_dir: str, tp
         ps.destroy_model_parallel()
 
 
+def save_async_then_update(rank: int, world_size: int, hf_dir: str, step_dir: str, tp: int, pp: int,
+                           distributed_optimizer: bool, dtype: str = "bfloat16") -> dict[str, Any]:
+    """`save_after_update`'s update, then an ASYNC save, then a second update while the writer runs; the save is
+    finalized only after that. Returns whether `meta.json` existed before the finalize, and the pending counts."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_rollout_correction.distributed.runtime import barrier
+    from nemo_rollout_correction.trainer import checkpoint as ckpt
+
+    try:
+        _init(tp, pp)
+        policy, optim = optimizer_worker._setup(hf_dir, dtype, use_distributed_optimizer=distributed_optimizer)
+        updater = optimizer_worker._Updater(policy, optim)
+        update = updater.update(updater.mini_batches[0])
+        queue = ckpt.new_async_queue()
+        ckpt.save_checkpoint(Path(step_dir), policy.model, optim, rank=rank,
+                             on_complete=lambda: _meta(Path(step_dir), rank, distributed_optimizer, True),
+                             async_queue=queue)
+        updater.update(updater.mini_batches[0])  # moves weights and moments in place while the writer runs
+        meta_before = (Path(step_dir) / ckpt.META_FILE).exists()
+        barrier()
+        pending_before = queue.get_num_unfinalized_calls()
+        pending_after = ckpt.finalize_checkpoints(queue, blocking=True)
+        return {"update": update, "lr_after_second": optim.lr, "meta_before_finalize": meta_before,
+                "pending_before": pending_before, "pending_after": pending_after,
+                "meta_after_finalize": (Path(step_dir) / ckpt.META_FILE).exists()}
+    finally:
+        ps.destroy_model_parallel()
+
+
 def reload_and_resave(rank: int, world_size: int, hf_dir: str, step_dir: str, out_dir: str, tp: int, pp: int,
                       distributed_optimizer: bool, dtype: str = "bfloat16") -> dict[str, Any]:
     """Fresh build at (tp, pp), load `step_dir`, save to `out_dir`; returns what the load reported."""

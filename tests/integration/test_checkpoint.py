@@ -104,6 +104,23 @@ def test_resharding_keeps_weights_and_optimizer_state_bit_identical(hf_dir: str,
 
 
 @pytest.mark.timeout(600)
+def test_async_save_writes_the_weights_of_the_save_moment(hf_dir: str, tmp_path: Path) -> None:
+    """`checkpoint.async_save`: Megatron's async path on CPU/gloo at TP=2 with the distributed optimizer. The
+    trainer keeps updating while the writer runs; the checkpoint holds the state of the save call (equal to a
+    synchronous save after the same single update), and it is complete (meta.json) only after the finalize."""
+    sync_dir, async_dir = tmp_path / "sync" / "step_1", tmp_path / "async" / "step_1"
+    dist_harness.launch(checkpoint_worker.save_after_update, 2, hf_dir, str(sync_dir), 2, 1, True,
+                        timeout=LAUNCH_TIMEOUT)
+    results = dist_harness.launch(checkpoint_worker.save_async_then_update, 2, hf_dir, str(async_dir), 2, 1, True,
+                                  timeout=LAUNCH_TIMEOUT)
+    for result in results:
+        assert result["pending_before"] == 1 and result["pending_after"] == 0
+        assert not result["meta_before_finalize"]  # incomplete while in flight: never resumed from
+    assert results[0]["meta_after_finalize"]
+    _assert_identical(global_tensors(sync_dir), global_tensors(async_dir))
+
+
+@pytest.mark.timeout(600)
 def test_load_model_weights_at_world_size_one(hf_dir: str, tmp_path: Path) -> None:
     step_dir = tmp_path / "step_1"
     dist_harness.launch(checkpoint_worker.save_after_update, 2, hf_dir, str(step_dir), 2, 1, False, "float32",

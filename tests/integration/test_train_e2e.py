@@ -3,7 +3,7 @@
 - a few GRPO steps of the tiny Llama logged to an `mlflow server` on 127.0.0.1, read back with
   MlflowClient (metrics per step, the resolved config as params and artifact, review artifacts, tags);
 - exact resume: 4 steps straight equals 2 steps + `run.resume=true` + 2 steps (same rollouts, losses
-  within 1e-5, same MLflow run and step numbers);
+  within 1e-5, same MLflow run and step numbers), the split run with background checkpoints;
 - 2-process torchrun jobs (TP=2, DP=2) whose first step equals the one-process run, and PP=2 (Megatron's
   pipeline schedule) and CP=2 (token-sharded sequences) on a tied-embedding Llama whose first two steps
   do, in decoupled mode and in bypass mode with a rejection by the current policy (the gradients divided
@@ -136,11 +136,17 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     common = [*FAST, "checkpoint.every_n_steps=2", "tracking.plot_every=0"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     _ok(nrc([*common, "run.num_steps=4", f"run.output_dir={straight}"], tmp_path))
-    _ok(nrc([*common, "run.num_steps=2", f"run.output_dir={split}"], tmp_path))
+    # The split run writes its checkpoints in the background (checkpoint.async_save): the resume from them must
+    # be as exact as from the straight run's synchronous ones.
+    first = nrc([*common, "run.num_steps=2", "checkpoint.async_save=true", f"run.output_dir={split}"], tmp_path)
+    _ok(first)
+    assert "step_2: writing in the background" in first.stderr
     first_run = read_metrics(split)
-    resumed = nrc([*common, "run.num_steps=4", "run.resume=true", f"run.output_dir={split}"], tmp_path)
+    resumed = nrc([*common, "run.num_steps=4", "run.resume=true", "checkpoint.async_save=true",
+                   f"run.output_dir={split}"], tmp_path)
     _ok(resumed)
     assert "resumed from" in resumed.stderr
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["step_2", "step_4"]
     a, b = read_metrics(straight), read_metrics(split)
     assert [m["step"] for m in b] == [1, 2, 3, 4]
     assert b[:2] == first_run
