@@ -7,7 +7,7 @@
 - 2-process torchrun jobs (TP=2, DP=2) whose first step equals the one-process run, and PP=2 (Megatron's
   pipeline schedule) and CP=2 (token-sharded sequences) on a tied-embedding Llama whose first two steps
   do, in decoupled mode and in bypass mode with a rejection by the current policy (the gradients divided
-  by the count after the loss pass);
+  by the count after the loss pass), and whose checkpoint `nrc export` turns into the model the run exported;
 - failures: a bad override, a missing dataset, an unreachable tracking server and a vLLM engine that
   cannot start exit non-zero with a clear message, and what was logged before the failure is kept.
 """
@@ -313,6 +313,17 @@ def test_torchrun_pipeline_and_context_parallel_match_one_process(
         # normalised step moves an element whose gradient is ~0 by a fraction of lr in the direction of that
         # gradient's sign: measured up to 1.1e-5 at CP2 (3e-7 at PP2). A stage left out would be ~1e-3 off.
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=5e-5, msg=name)
+    # `nrc export` of the run's last checkpoint, written at this layout and rebuilt in one process, is the same
+    # model as the live export of the same weights, bit for bit.
+    exported = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "-m", "nemo_rollout_correction.cli", "export", str(tmp_path / layout),
+                           "--output", str(exported)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from_checkpoint = load_file(str(exported / "model.safetensors"))
+    assert set(from_checkpoint) == set(ours)
+    for name, tensor in ours.items():
+        assert torch.equal(from_checkpoint[name], tensor), name
 
 
 def test_dapo_in_the_step_filters_penalises_and_skips(tmp_path: Path) -> None:
