@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,19 @@ def test_summarize_without_a_notion_of_correctness() -> None:
 def test_held_out_records_needs_prompts() -> None:
     with pytest.raises(ValueError, match=r"set eval\.dataset"):
         held_out_records(None, [], 4)
+
+
+def test_held_out_records_from_eval_dataset_take_the_files_first_prompts(tmp_path: Path) -> None:
+    import json
+
+    from nemo_rollout_correction.trainer.data import PromptRecord
+
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "solution": str(i)}) + "\n" for i in range(5)))
+    task_split = [PromptRecord(prompt="from the task", answer="x")]
+    records = held_out_records(str(path), task_split, 3, prompt_key="question", answer_key="solution")
+    assert [(r.prompt, r.answer) for r in records] == [("q0", "0"), ("q1", "1"), ("q2", "2")]
+    assert held_out_records(None, task_split, 3) == task_split  # no eval.dataset: the task's held-out split
 
 
 def test_run_summary_prints_last_eval_and_export() -> None:
