@@ -28,4 +28,4 @@ echo "== pytest =="
 if [ "$#" -eq 0 ]; then
   set -- -m "not slow"
 fi
-python -m pytest "$@"
+python -m pytest --durations=30 "$@"  # the 30 slowest tests, to keep the default lane short
