@@ -24,8 +24,9 @@ runs through (its backward hooks fill the gradient buffer). On CPU all of it run
 `distributed.cpu_compat.cuda_to_cpu()`, with the fast paths of `models.cpu_training`: a vectorised
 bf16/fp16 -> fp32 gradient accumulation and no temporaries in Megatron's no-Apex `multi_tensor_scale`
 (both bit-identical), and torch's fused CPU Adam for the regular (not distributed) optimizer (about 1 fp32
-ulp from Megatron's single-tensor Adam on some elements; the distributed optimizer keeps that loop so that
-results do not depend on its DP-dependent shards). On GPU these are the plain library calls.
+ulp from Megatron's single-tensor Adam on some elements; the distributed optimizer keeps that loop: with
+the fused kernel on its DP-dependent shards, bf16 DP = 2 moved one weight a bf16 ulp away from DP = 1). On
+GPU these are the plain library calls.
 """
 
 from __future__ import annotations
