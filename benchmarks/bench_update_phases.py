@@ -5,7 +5,8 @@ machine load hits them alike), each phase timed in CPU time of this thread and i
 
   megatron        the trainer's path: Megatron DDP + `get_megatron_optimizer` via `models.optimizer`,
                   with the CPU fast paths of `models.cpu_training`
-  megatron-plain  the same without those fast paths (Megatron's own DDP hook and no-Apex multi_tensor_scale)
+  megatron-plain  the same without those fast paths (Megatron's own DDP hook, no-Apex multi_tensor_scale and
+                  single-tensor Adam loop instead of torch's fused CPU Adam)
   hand-written    the path before issue 11 (commit 71062bd): torch AdamW on the model's own parameters,
                   gradients accumulated in `.grad`, a flat all-reduce, a float64 global-norm clip
 
@@ -82,7 +83,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
                 policy_optimizer.cpu_ddp_class = lambda: DistributedDataParallel  # type: ignore[assignment]
             try:
                 optim = policy_optimizer.build_policy_optimizer(policy.model, policy_optimizer.OptimizerSettings(
-                    lr=1e-5, total_updates=100))
+                    lr=1e-5, total_updates=100, fused_cpu_adam=not plain))
             finally:
                 policy_optimizer.cpu_ddp_class = original  # type: ignore[assignment]
 

@@ -21,9 +21,12 @@
 
 The bare model stays the policy's `model` (weight export, scoring); the DDP wrapper is what the loss pass
 runs through (its backward hooks fill the gradient buffer). On CPU all of it runs inside
-`distributed.cpu_compat.cuda_to_cpu()`, with the bit-identical fast paths of `models.cpu_training` (a
-vectorised bf16/fp16 -> fp32 gradient accumulation, no temporaries in Megatron's no-Apex
-`multi_tensor_scale`); on GPU these are the plain library calls.
+`distributed.cpu_compat.cuda_to_cpu()`, with the fast paths of `models.cpu_training`: a vectorised
+bf16/fp16 -> fp32 gradient accumulation and no temporaries in Megatron's no-Apex `multi_tensor_scale`
+(both bit-identical), and torch's fused CPU Adam for the regular (not distributed) optimizer (about 1 fp32
+ulp from Megatron's single-tensor Adam on some elements; the distributed optimizer keeps that loop: with
+the fused kernel on its DP-dependent shards, bf16 DP = 2 moved one weight a bf16 ulp away from DP = 1). On
+GPU these are the plain library calls.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ import torch
 from torch import nn
 
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
-from nemo_rollout_correction.models.cpu_training import cpu_ddp_class, install_multi_tensor_scale
+from nemo_rollout_correction.models.cpu_training import (
+    cpu_ddp_class,
+    install_multi_tensor_scale,
+    use_fused_cpu_adam,
+)
 
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine")
@@ -61,6 +68,10 @@ class OptimizerSettings:
     lr_decay_style: LrDecayStyle = "constant"
     total_updates: int = 1
     initial_loss_scale: float = 2.0**16
+    fused_cpu_adam: bool = True
+    """On CPU with the regular optimizer, Adam runs torch's fused kernel (`models.cpu_training`, item 3); False
+    keeps Megatron's single-tensor loop, the one the distributed optimizer always uses (tests compare the two
+    optimizers with the same Adam arithmetic). Ignored with CUDA and with the distributed optimizer."""
 
 
 @dataclass(frozen=True)
@@ -129,8 +140,9 @@ class PolicyOptimizer:
             initial_loss_scale=settings.initial_loss_scale,
             use_distributed_optimizer=settings.use_distributed_optimizer,
         )
-        # On CPU: Megatron's machinery with the bit-identical fast paths of `models.cpu_training` (a vectorised
-        # bf16/fp16 -> fp32 gradient accumulation, no temporaries in the no-Apex `multi_tensor_scale`).
+        # On CPU: Megatron's machinery with the fast paths of `models.cpu_training` (a vectorised bf16/fp16 ->
+        # fp32 gradient accumulation, no temporaries in the no-Apex `multi_tensor_scale`: both bit-identical;
+        # torch's fused Adam with the regular optimizer).
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             install_multi_tensor_scale()
@@ -138,6 +150,11 @@ class PolicyOptimizer:
         with cuda_to_cpu():
             self.ddp = ddp_class(config=config, ddp_config=ddp_config, module=model)
             self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        if on_cpu and settings.fused_cpu_adam and not settings.use_distributed_optimizer:
+            # torch's fused CPU Adam: whole parameters on every rank, so results stay independent of DP;
+            # the distributed optimizer's DP-dependent shards keep Megatron's single-tensor loop (see
+            # models.cpu_training, item 3).
+            use_fused_cpu_adam(self.optimizer)
         config.finalize_model_grads_func = finalize_model_grads
         # fp16: the schedule multiplies each microbatch loss by the current loss scale before backward;
         # the optimizer unscales the main gradients (and skips the update on inf/NaN).
@@ -192,6 +209,12 @@ class PolicyOptimizer:
         self.scheduler.step(increment=1)
         return UpdateResult(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
                             loss_scale=scale, skipped=not success)
+
+    @property
+    def fused_adam(self) -> bool:
+        """Whether Adam runs torch's fused CPU kernel (CPU, regular optimizer; see `models.cpu_training`)."""
+        return any(group.get("fused") is True for opt in _chained(self.optimizer)
+                   for group in getattr(getattr(opt, "optimizer", None), "param_groups", []))
 
     def main_param_dtypes(self) -> set[torch.dtype]:
         """Dtypes of the parameters the optimizer updates (fp32 main params for bf16/fp16 models)."""

@@ -97,12 +97,13 @@ class _Updater:
 
 
 def train(rank: int, world_size: int, hf_dir: str, dtype: str, distributed_optimizer: bool, steps: int,
-          num_mini_batches: int = 1) -> dict[str, Any]:
+          num_mini_batches: int = 1, fused_cpu_adam: bool = True) -> dict[str, Any]:
     """`steps` steps of `num_mini_batches` updates; per update: loss, grad norm; weights after each step."""
     from megatron.core import parallel_state as ps
 
     try:
-        policy, optim = _setup(hf_dir, dtype, use_distributed_optimizer=distributed_optimizer)
+        policy, optim = _setup(hf_dir, dtype, use_distributed_optimizer=distributed_optimizer,
+                               fused_cpu_adam=fused_cpu_adam)
         updater = _Updater(policy, optim, num_mini_batches=num_mini_batches)
         updates, weights = [], []
         for _ in range(steps):
@@ -110,14 +111,15 @@ def train(rank: int, world_size: int, hf_dir: str, dtype: str, distributed_optim
             weights.append(_weights(policy))
         model_dtypes = {name: p.dtype for name, p in policy.model.named_parameters()}
         return {"updates": updates, "weights": weights, "main_dtypes": optim.main_param_dtypes(),
-                "model_dtypes": model_dtypes}
+                "model_dtypes": model_dtypes, "fused_adam": optim.fused_adam}
     finally:
         ps.destroy_model_parallel()
 
 
-def versus_torch_adamw(rank: int, world_size: int, hf_dir: str, steps: int) -> dict[str, Any]:
+def versus_torch_adamw(rank: int, world_size: int, hf_dir: str, steps: int, fused: bool) -> dict[str, Any]:
     """The same updates through Megatron's optimizer and through the trainer's former optimizer
-    (torch AdamW on the bare model, torch's global-norm clipping), from the same weights."""
+    (torch AdamW on the bare model, `fused` or its single-tensor loop, torch's global-norm clipping), from
+    the same weights."""
     from megatron.core import parallel_state as ps
 
     from nemo_rollout_correction.models.policy import MegatronPolicy
@@ -128,7 +130,7 @@ def versus_torch_adamw(rank: int, world_size: int, hf_dir: str, steps: int) -> d
         updater = _Updater(policy, optim)
         bare = MegatronPolicy.from_hf(hf_dir)
         params = [p for p in bare.model.parameters() if p.requires_grad]
-        adamw = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+        adamw = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, fused=fused)
         megatron_runs, torch_runs = [], []
         for _ in range(steps):
             (mini,) = updater.mini_batches
@@ -153,7 +155,7 @@ def versus_torch_adamw(rank: int, world_size: int, hf_dir: str, steps: int) -> d
             norm = float(torch.nn.utils.clip_grad_norm_(params, 0.5))
             adamw.step()
             torch_runs.append({"grad_norm": norm, "weights": _weights(bare)})
-        return {"megatron": megatron_runs, "torch": torch_runs}
+        return {"megatron": megatron_runs, "torch": torch_runs, "fused_adam": optim.fused_adam}
     finally:
         ps.destroy_model_parallel()
 
