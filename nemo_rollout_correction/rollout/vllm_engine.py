@@ -9,10 +9,11 @@
 - `refit(named_tensors)` pushes new policy weights (Hugging Face names, full tensors) into the running
   engine through the worker extension (`collective_rpc` + `reload_weights`) and resets the prefix cache.
 
-Colocated ("Aligner-style") design: the engine lives in the training job; the trainer's rank 0 hosts a
-single engine (vLLM spawns its engine-core process) and broadcasts the rollouts. `EngineOptions` can pass
-`distributed_executor_backend` and `enable_sleep_mode` through to vLLM, but the trainer sets neither (engine
-shards per rank and sleep mode are not implemented). What was verified where: docs/rollout.md.
+Colocated ("Aligner-style") design: the engines live in the training job (`rollout.placement`: one per
+data-parallel group, or one on global rank 0; vLLM spawns each engine's engine-core process on CPU). On GPU
+with one engine per data-parallel group the trainer passes `distributed_executor_backend="external_launcher"`
+and `enable_sleep_mode` through `EngineOptions`, and refits with vLLM's weight-transfer API
+(`refit_weight_transfer`); that path is unverified (no GPU vLLM here). What was verified where: docs/rollout.md.
 """
 
 from __future__ import annotations
@@ -395,15 +396,70 @@ class VllmRolloutEngine:
         self.refit_seconds.append(seconds)
         return seconds
 
+    def refit_weight_transfer(self, named_tensors: Iterable[tuple[str, Tensor]]) -> float:
+        """GPU refit through vLLM's weight-transfer API, CUDA IPC backend (UNVERIFIED: no GPU vLLM here).
+
+        For the colocated engine shards of `rollout.placement=per_dp_group` on GPU: the trainer's GPU tensors
+        are shared with the engine's worker by CUDA IPC handles, no copy through files. vLLM's
+        `IPCTrainerWeightTransferEngine` all-gathers the handles over the default process group, so every rank
+        of the job must call this at the same time (each is the sender to its own external_launcher shard).
+        The NCCL backend serves engines on other GPUs than the trainer's, which this placement never creates.
+        Raises RolloutEngineError on CPU. Returns the seconds taken.
+        """
+        if not torch.cuda.is_available():
+            raise RolloutEngineError("refit_weight_transfer needs CUDA (vLLM's IPC weight transfer); on CPU the "
+                                     "engine refits from a file (refit)")
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+        tensors = {name: tensor.detach().to("cuda").contiguous() for name, tensor in named_tensors}
+
+        class _Weights(WeightSource):
+            def metadata(self) -> list[ParamMeta]:
+                return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+
+            def __iter__(self) -> Any:
+                return iter(tensors.items())
+
+        llm = self.llm
+
+        class _Client:  # vLLM's trainer engines call a `VLLMWeightSyncClient`; `LLM` takes the requests wrapped
+            def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+                llm.init_weight_transfer_engine({"init_info": init_info})
+
+            def start_weight_update(self) -> None:
+                llm.start_weight_update()
+
+            def update_weights(self, update_info: Any) -> None:
+                llm.update_weights({"update_info": update_info})
+
+            def finish_weight_update(self, weight_version: str | None = None) -> None:
+                llm.finish_weight_update(weight_version)
+
+        start = time.perf_counter()
+        self.wake_up(["weights"])  # the weights must be resident to be overwritten
+        try:
+            sender = IPCTrainerWeightTransferEngine.trainer_init(IPCTrainerInitInfo(rank=0), client=_Client(),
+                                                                 source=_Weights())
+            sender.send_weights()
+            self.llm.reset_prefix_cache()
+        except Exception as exc:
+            raise RolloutEngineError(f"weight transfer failed: {type(exc).__name__}: {exc}") from exc
+        seconds = time.perf_counter() - start
+        self.refit_seconds.append(seconds)
+        return seconds
+
     def sleep(self) -> None:
-        """Release KV cache and weights (GPU, `enable_sleep_mode=True`); a no-op otherwise."""
+        """Release KV cache and offload weights (`llm.sleep(level=1)`; GPU, `enable_sleep_mode=True`); a no-op
+        otherwise."""
         if self.options.enable_sleep_mode:
             self.llm.sleep(level=1)
 
-    def wake_up(self) -> None:
-        """Re-allocate after `sleep` (GPU, `enable_sleep_mode=True`); a no-op otherwise."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate after `sleep` (all memory, or `tags` of weights / kv_cache; GPU, `enable_sleep_mode=True`);
+        a no-op otherwise."""
         if self.options.enable_sleep_mode:
-            self.llm.wake_up()
+            self.llm.wake_up(tags)
 
     def shutdown(self) -> None:
         """Stop the engine and its worker processes."""
