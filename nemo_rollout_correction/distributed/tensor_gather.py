@@ -106,5 +106,17 @@ def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list[ob
     return out
 
 
+def send_object(obj: object, dst: int) -> None:
+    """Send a picklable object to global rank `dst` (blocks until it is received: callers order their pairs)."""
+    dist.send_object_list([obj], dst=dst)
+
+
+def recv_object(src: int) -> object:
+    """Receive the object global rank `src` sends with `send_object`."""
+    box: list[object] = [None]
+    dist.recv_object_list(box, src=src)
+    return box[0]
+
+
 __all__ = ["all_gather_list", "all_gather_object", "all_gather_with_grad", "broadcast_object", "collective_device",
-           "gather_along_dim", "group_rank", "group_size"]
+           "gather_along_dim", "group_rank", "group_size", "recv_object", "send_object"]

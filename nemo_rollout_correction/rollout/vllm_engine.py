@@ -114,6 +114,9 @@ class RolloutSample:
     routed_experts: Tensor | None = None
     """With routing capture: int16 `[len(prompt) + len(response) - 1, moe_layers, topk]`, the experts vLLM's
     router chose for the token fed at each position (the last sampled token is never fed forward)."""
+    origin: tuple[int, int, int, int] | None = None
+    """(engine, step, attempt, index in that engine's batch) when the trainer shares the sample without its
+    logprobs and routing (`rollout.placement=per_dp_group`): where to fetch them for the rows a rank trains."""
 
 
 @dataclass
@@ -137,10 +140,12 @@ class RolloutBatch:
 
         Returns (S = samples, L = longest prompt + response):
           input_ids `[S, L]` int64; position t of the `[S, L - 1]` tensors scores `input_ids[:, t + 1]`:
-          rollout_logprobs `[S, L - 1]` float32 (0 outside responses), loss_mask `[S, L - 1]` bool (response tokens),
+          rollout_logprobs `[S, L - 1]` float32 (0 outside responses, and in every row of a sample shared without
+          its logprobs: `logprobs == []`), loss_mask `[S, L - 1]` bool (response tokens),
           response_lengths `[S]`, prompt_lengths `[S]`;
           with routing capture also routed_experts `[S, L, moe_layers, topk]` int16 (expert ids of the token at
-          input position t; -1 where none exists: the last sampled token and padding).
+          input position t; -1 where none exists: the last sampled token, padding, and samples shared without
+          their routing).
         """
         lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in self.samples]
         width = max(lengths, default=1)
@@ -153,7 +158,8 @@ class RolloutBatch:
             input_ids[row, :p] = torch.tensor(sample.prompt_token_ids, dtype=torch.int64)
             if r:
                 input_ids[row, p:p + r] = torch.tensor(sample.token_ids, dtype=torch.int64)
-                rollout_logprobs[row, p - 1:p - 1 + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
+                if sample.logprobs:  # empty: shared without them (another data-parallel group trains this row)
+                    rollout_logprobs[row, p - 1:p - 1 + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
                 loss_mask[row, p - 1:p - 1 + r] = True
         out = {
             "input_ids": input_ids,
@@ -163,10 +169,11 @@ class RolloutBatch:
             "prompt_lengths": torch.tensor([len(s.prompt_token_ids) for s in self.samples], dtype=torch.int64),
         }
         tables = [s.routed_experts for s in self.samples if s.routed_experts is not None]
-        if tables and len(tables) == count:
+        if tables:
             table = torch.full((count, width, *tables[0].shape[1:]), -1, dtype=torch.int16)
-            for row, routing in enumerate(tables):
-                table[row, : routing.shape[0]] = routing
+            for row, sample in enumerate(self.samples):
+                if sample.routed_experts is not None:
+                    table[row, : sample.routed_experts.shape[0]] = sample.routed_experts
             out["routed_experts"] = table
         return out
 

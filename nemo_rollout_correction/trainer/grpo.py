@@ -41,9 +41,11 @@ everything needed for an exact resume (model, optimizer, RNG, sampler position, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,7 +63,7 @@ from nemo_rollout_correction.core.loglinear import loglinear_alpha, loglinear_er
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens, shard_next_token_batch
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage, gather_weights_to_first_stage
-from nemo_rollout_correction.distributed.runtime import Runtime, barrier
+from nemo_rollout_correction.distributed.runtime import Runtime, all_gather_object, barrier, recv_object, send_object
 from nemo_rollout_correction.losses.rollout_corrected_pg import RolloutCorrectedPolicyLoss
 from nemo_rollout_correction.losses.step_plan import (
     DenominatorStrategy,
@@ -261,6 +263,14 @@ class GrpoTrainer:
         self.shares_rollouts = hosts and (not gpu_shards or groups.tp_rank == 0)
         self.engine: VllmRolloutEngine | None = None
         self._push_seconds = 0.0
+        # per_dp_group: the full samples this engine generated, by (step, attempt), until `localize_rollouts`
+        # hands their logprobs and routing to the data-parallel group that trains them
+        self._held: dict[tuple[int, int], list[Any]] = {}
+        self._held_lock = threading.Lock()  # generate_local may run in another thread (async rollouts)
+        # every rank's (dp rank, engine index if it shares rollouts): the plan of `localize_rollouts`
+        self._rank_roles: list[Any] = (all_gather_object((groups.dp_rank, self.engine_index if self.shares_rollouts
+                                                          else None))
+                                       if self.placement == "per_dp_group" else [])
         if not hosts:
             return
         options = engine_options(cfg, str(self.hf_dir), per_dp_group_gpu=gpu_shards,
@@ -377,6 +387,11 @@ class GrpoTrainer:
             sample.prompt_index += shard.start
         if not self.shares_rollouts:  # another TP shard of this engine (GPU) scores and sends the samples
             return batch, []
+        if self.placement == "per_dp_group":  # kept here; `share_rollouts` sends them without logprobs/routing
+            for index, sample in enumerate(batch.samples):
+                sample.origin = (self.engine_index, step, attempt, index)
+            with self._held_lock:
+                self._held[(step, attempt)] = list(batch.samples)
         sample_records = [records[s.prompt_index] for s in batch.samples]
         rewards = score(
             self.task.reward_fn,
@@ -401,10 +416,63 @@ class GrpoTrainer:
             return shared, list(rewards)
         mine = None
         if self.shares_rollouts and self.engine_index is not None and batch is not None:
-            mine = (self.engine_index, batch)
+            # metadata and token ids go to every rank; logprobs and routing only where trained (localize_rollouts)
+            light = [dataclasses.replace(s, logprobs=[], routed_experts=None) for s in batch.samples]
+            mine = (self.engine_index, RolloutBatch(light, n=batch.n, seconds=batch.seconds))
         shared, extras = gather_rollouts(mine, (list(rewards or []), self._push_seconds))
         self._engine_refit_seconds = [seconds for _, seconds in extras]
         return shared, [r for engine_rewards, _ in extras for r in engine_rewards]
+
+    def localize_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
+        """Collective: the step's chosen batch with the logprobs and routing of the rows this rank trains.
+
+        per_dp_group: `share_rollouts` gave every rank every sample without `logprobs` / `routed_experts`; now
+        each engine's rank sends, for each rank, the rows that rank's data-parallel group trains (`_train_rows`:
+        after DAPO has chosen the batch). Pairs (engine rank, receiving rank) go in one global order, the same
+        on every rank, so the blocking gloo sends cannot deadlock. Rows other groups train keep `logprobs == []`
+        (zeros in `to_tensors`). rank0: the batch unchanged (it was broadcast whole).
+        """
+        if self.placement == "rank0":
+            return batch
+        me = self.runtime.rank
+        owner: list[tuple[int, int, int, int]] = []
+        for sample in batch.samples:
+            if sample.origin is None:
+                raise RuntimeError("localize_rollouts: a sample without its origin (not from share_rollouts)")
+            owner.append(sample.origin)
+        rows_of_dp = {d: sorted(self._train_rows(len(batch.samples), d).tolist()) for d in range(self.groups.dp_size)}
+        received: dict[int, tuple[list[float], Tensor | None]] = {}
+        with self._held_lock:
+            held = {(key, i): s for key, samples in self._held.items() for i, s in enumerate(samples)}
+        for src, (_, engine) in enumerate(self._rank_roles):
+            if engine is None:
+                continue
+            for dst, (dst_dp, _) in enumerate(self._rank_roles):
+                rows = [r for r in rows_of_dp[dst_dp] if owner[r][0] == engine]
+                if not rows or me not in (src, dst):
+                    continue
+                if me == src:
+                    full = [held[((owner[r][1], owner[r][2]), owner[r][3])] for r in rows]
+                    payload = {r: (s.logprobs, s.routed_experts) for r, s in zip(rows, full, strict=True)}
+                    if dst == me:
+                        received |= payload
+                    else:
+                        send_object(payload, dst)
+                else:
+                    got: Any = recv_object(src)
+                    received |= got
+        with self._held_lock:  # this step's rollouts are placed; later steps' (async) stay
+            for key in [k for k in self._held if k[0] <= self.step_index]:
+                del self._held[key]
+        samples = [dataclasses.replace(s, logprobs=list(received[i][0]), routed_experts=received[i][1])
+                   if i in received else s for i, s in enumerate(batch.samples)]
+        return RolloutBatch(samples, n=batch.n, seconds=batch.seconds)
+
+    def _train_rows(self, num_samples: int, dp_rank: int) -> Tensor:
+        """The rows data-parallel rank `dp_rank` trains: its slice of every mini-batch (as `_microbatches`)."""
+        samples = torch.arange(num_samples)
+        parts = torch.tensor_split(samples, self.cfg.grpo.num_mini_batches)
+        return torch.cat([torch.tensor_split(part, self.groups.dp_size)[dp_rank] for part in parts])
 
     def _mini_batches(self, tensors: dict[str, Tensor], advantages: Tensor) -> list[list[Microbatch]]:
         """The step's samples cut into `grpo.num_mini_batches` contiguous mini-batches, each as this dp
@@ -474,7 +542,7 @@ class GrpoTrainer:
         with self._timed("step"):
             with self._timed("generation"):  # one batch, or DAPO's refills (trainer/dynamic_sampling.py)
                 rollouts = collect_step_rollouts(self.sampler.next_batch(), self.sampler, self.rollout, self.dapo)
-            batch, records = rollouts.batch, rollouts.records
+            batch, records = self.localize_rollouts(rollouts.batch), rollouts.records  # rows' logprobs to trainers
             if rollouts.warning:
                 self.log(f"[nrc train] step {self.step_index + 1}: {rollouts.warning}")
             reward_t = torch.tensor(rollouts.task_rewards, dtype=torch.float32)  # the task's reward, for reward/*

