@@ -406,7 +406,7 @@ class GrpoTrainer:
         """Collective: every engine's (batch, rewards) on every rank of the job, in prompt order.
 
         rank0: a broadcast from global rank 0. per_dp_group: one all-gather over the job in which each
-        engine's rank sends its share (every rank receives every sample: docs/rollout.md, "What moves").
+        engine's rank sends its share without logprobs and routing (`localize_rollouts` moves those).
         Also records the engines' latest refit seconds (`rollout/engine<e>_refit_s`).
         """
         batch, rewards = local if local is not None else (None, None)
