@@ -52,3 +52,18 @@ def test_shard_bounds_are_checked() -> None:
         prompt_shard(4, 2, 2)
     with pytest.raises(ValueError, match="num_engines"):
         prompt_shard(4, 0, 0)
+
+
+def test_rows_shared_without_logprobs_and_routing_are_zero_and_unrouted() -> None:
+    from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+
+    routing = torch.arange(4 * 2 * 1, dtype=torch.int16).reshape(4, 2, 1)  # [prompt + response - 1, layers, topk]
+    here = RolloutSample(0, [5, 6], [7, 8, 9], [-0.5, -1.0, -1.5], "length", routed_experts=routing)
+    elsewhere = RolloutSample(0, [5, 6], [3, 4], [], "stop", origin=(1, 0, 0, 1))  # another group trains it
+    tensors = RolloutBatch([here, elsewhere], n=2, seconds=0.0).to_tensors()
+    assert tensors["rollout_logprobs"][0, 1:4].tolist() == [-0.5, -1.0, -1.5]
+    assert tensors["rollout_logprobs"][1].abs().sum() == 0
+    assert tensors["loss_mask"][1].sum() == 2  # the row's tokens are still laid out
+    assert tensors["input_ids"][1, :4].tolist() == [5, 6, 3, 4]
+    assert torch.equal(tensors["routed_experts"][0, :4], routing)
+    assert (tensors["routed_experts"][1] == -1).all()
