@@ -22,6 +22,7 @@ from nemo_rollout_correction.core.aggregation import LossAggMode
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
 from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
+from nemo_rollout_correction.rollout.placement import ROLLOUT_PLACEMENTS, RolloutPlacement
 from nemo_rollout_correction.rollout.vllm_engine import ROLLOUT_DTYPES, RolloutDtype
 
 __all__ = [
@@ -207,8 +208,14 @@ class RolloutConfig:
     routing_replay: RoutingReplayMode = _f("none", "MoE only: r3 replays the experts vLLM's router chose for each "
                                            "token in every trainer forward (rollout routing replay); none routes "
                                            "with the trainer's own routers.")
+    # ---- engine placement (issue 13) ----
+    placement: RolloutPlacement = _f("auto", "Where engines run: per_dp_group (one engine per data-parallel group, "
+                                     "prompts sharded), rank0 (one engine on global rank 0), auto (per_dp_group "
+                                     "when the data-parallel size is > 1, else rank0).")
 
     def __post_init__(self) -> None:
+        if self.placement not in ROLLOUT_PLACEMENTS:
+            _fail("rollout.placement", self.placement, f"allowed: {list(ROLLOUT_PLACEMENTS)}")
         _at_least("rollout.max_model_len", self.max_model_len, 2)
         _in_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         _at_least("rollout.cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, 1)

@@ -4,7 +4,9 @@
   one-process group when launched directly), then Megatron-Core's `parallel_state`; returns this
   rank's `Runtime` (global rank/world, the `ParallelGroups`, whether it is the logging rank).
 - `all_reduce_sums`: a step's scalar statistics summed over data x context parallelism.
-- `broadcast_object`: rollouts and rewards from the rank that hosts the rollout engine.
+- `broadcast_object`: rollouts and rewards from the rank that hosts the rollout engine;
+- `all_gather_object`: every engine's rollouts and rewards when each data-parallel group hosts one;
+- `send_object` / `recv_object`: the logprobs and routing of the rows a data-parallel group trains.
 
 Gradients are not reduced here: Megatron's DDP and `finalize_model_grads` do it (`models.optimizer`).
 
@@ -23,7 +25,13 @@ import torch.distributed as dist
 
 from nemo_rollout_correction.distributed.cpu_compat import patch_cuda_for_cpu
 from nemo_rollout_correction.distributed.groups import ParallelGroups
-from nemo_rollout_correction.distributed.tensor_gather import broadcast_object, collective_device
+from nemo_rollout_correction.distributed.tensor_gather import (
+    all_gather_object,
+    broadcast_object,
+    collective_device,
+    recv_object,
+    send_object,
+)
 
 
 @dataclass(frozen=True)
@@ -124,9 +132,12 @@ def all_reduce_sums(values: dict[str, float], groups: ParallelGroups) -> dict[st
 
 __all__ = [
     "Runtime",
+    "all_gather_object",
     "all_reduce_sums",
     "barrier",
     "broadcast_object",
     "init_runtime",
+    "recv_object",
+    "send_object",
     "shutdown_runtime",
 ]

@@ -9,10 +9,11 @@
 - `refit(named_tensors)` pushes new policy weights (Hugging Face names, full tensors) into the running
   engine through the worker extension (`collective_rpc` + `reload_weights`) and resets the prefix cache.
 
-Colocated ("Aligner-style") design: the engine lives in the training job; the trainer's rank 0 hosts a
-single engine (vLLM spawns its engine-core process) and broadcasts the rollouts. `EngineOptions` can pass
-`distributed_executor_backend` and `enable_sleep_mode` through to vLLM, but the trainer sets neither (engine
-shards per rank and sleep mode are not implemented). What was verified where: docs/rollout.md.
+Colocated ("Aligner-style") design: the engines live in the training job (`rollout.placement`: one per
+data-parallel group, or one on global rank 0; vLLM spawns each engine's engine-core process on CPU). On GPU
+with one engine per data-parallel group the trainer passes `distributed_executor_backend="external_launcher"`
+and `enable_sleep_mode` through `EngineOptions`, and refits with vLLM's weight-transfer API
+(`refit_weight_transfer`); that path is unverified (no GPU vLLM here). What was verified where: docs/rollout.md.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class RolloutSample:
     routed_experts: Tensor | None = None
     """With routing capture: int16 `[len(prompt) + len(response) - 1, moe_layers, topk]`, the experts vLLM's
     router chose for the token fed at each position (the last sampled token is never fed forward)."""
+    origin: tuple[int, int, int, int] | None = None
+    """(engine, step, attempt, index in that engine's batch) when the trainer shares the sample without its
+    logprobs and routing (`rollout.placement=per_dp_group`): where to fetch them for the rows a rank trains."""
 
 
 @dataclass
@@ -136,10 +140,12 @@ class RolloutBatch:
 
         Returns (S = samples, L = longest prompt + response):
           input_ids `[S, L]` int64; position t of the `[S, L - 1]` tensors scores `input_ids[:, t + 1]`:
-          rollout_logprobs `[S, L - 1]` float32 (0 outside responses), loss_mask `[S, L - 1]` bool (response tokens),
+          rollout_logprobs `[S, L - 1]` float32 (0 outside responses, and in every row of a sample shared without
+          its logprobs: `logprobs == []`), loss_mask `[S, L - 1]` bool (response tokens),
           response_lengths `[S]`, prompt_lengths `[S]`;
           with routing capture also routed_experts `[S, L, moe_layers, topk]` int16 (expert ids of the token at
-          input position t; -1 where none exists: the last sampled token and padding).
+          input position t; -1 where none exists: the last sampled token, padding, and samples shared without
+          their routing).
         """
         lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in self.samples]
         width = max(lengths, default=1)
@@ -152,7 +158,8 @@ class RolloutBatch:
             input_ids[row, :p] = torch.tensor(sample.prompt_token_ids, dtype=torch.int64)
             if r:
                 input_ids[row, p:p + r] = torch.tensor(sample.token_ids, dtype=torch.int64)
-                rollout_logprobs[row, p - 1:p - 1 + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
+                if sample.logprobs:  # empty: shared without them (another data-parallel group trains this row)
+                    rollout_logprobs[row, p - 1:p - 1 + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
                 loss_mask[row, p - 1:p - 1 + r] = True
         out = {
             "input_ids": input_ids,
@@ -162,10 +169,11 @@ class RolloutBatch:
             "prompt_lengths": torch.tensor([len(s.prompt_token_ids) for s in self.samples], dtype=torch.int64),
         }
         tables = [s.routed_experts for s in self.samples if s.routed_experts is not None]
-        if tables and len(tables) == count:
+        if tables:
             table = torch.full((count, width, *tables[0].shape[1:]), -1, dtype=torch.int16)
-            for row, routing in enumerate(tables):
-                table[row, : routing.shape[0]] = routing
+            for row, sample in enumerate(self.samples):
+                if sample.routed_experts is not None:
+                    table[row, : sample.routed_experts.shape[0]] = sample.routed_experts
             out["routed_experts"] = table
         return out
 
@@ -395,15 +403,70 @@ class VllmRolloutEngine:
         self.refit_seconds.append(seconds)
         return seconds
 
+    def refit_weight_transfer(self, named_tensors: Iterable[tuple[str, Tensor]]) -> float:
+        """GPU refit through vLLM's weight-transfer API, CUDA IPC backend (UNVERIFIED: no GPU vLLM here).
+
+        For the colocated engine shards of `rollout.placement=per_dp_group` on GPU: the trainer's GPU tensors
+        are shared with the engine's worker by CUDA IPC handles, no copy through files. vLLM's
+        `IPCTrainerWeightTransferEngine` all-gathers the handles over the default process group, so every rank
+        of the job must call this at the same time (each is the sender to its own external_launcher shard).
+        The NCCL backend serves engines on other GPUs than the trainer's, which this placement never creates.
+        Raises RolloutEngineError on CPU. Returns the seconds taken.
+        """
+        if not torch.cuda.is_available():
+            raise RolloutEngineError("refit_weight_transfer needs CUDA (vLLM's IPC weight transfer); on CPU the "
+                                     "engine refits from a file (refit)")
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+        tensors = {name: tensor.detach().to("cuda").contiguous() for name, tensor in named_tensors}
+
+        class _Weights(WeightSource):
+            def metadata(self) -> list[ParamMeta]:
+                return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+
+            def __iter__(self) -> Any:
+                return iter(tensors.items())
+
+        llm = self.llm
+
+        class _Client:  # vLLM's trainer engines call a `VLLMWeightSyncClient`; `LLM` takes the requests wrapped
+            def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+                llm.init_weight_transfer_engine({"init_info": init_info})
+
+            def start_weight_update(self) -> None:
+                llm.start_weight_update()
+
+            def update_weights(self, update_info: Any) -> None:
+                llm.update_weights({"update_info": update_info})
+
+            def finish_weight_update(self, weight_version: str | None = None) -> None:
+                llm.finish_weight_update(weight_version)
+
+        start = time.perf_counter()
+        self.wake_up(["weights"])  # the weights must be resident to be overwritten
+        try:
+            sender = IPCTrainerWeightTransferEngine.trainer_init(IPCTrainerInitInfo(rank=0), client=_Client(),
+                                                                 source=_Weights())
+            sender.send_weights()
+            self.llm.reset_prefix_cache()
+        except Exception as exc:
+            raise RolloutEngineError(f"weight transfer failed: {type(exc).__name__}: {exc}") from exc
+        seconds = time.perf_counter() - start
+        self.refit_seconds.append(seconds)
+        return seconds
+
     def sleep(self) -> None:
-        """Release KV cache and weights (GPU, `enable_sleep_mode=True`); a no-op otherwise."""
+        """Release KV cache and offload weights (`llm.sleep(level=1)`; GPU, `enable_sleep_mode=True`); a no-op
+        otherwise."""
         if self.options.enable_sleep_mode:
             self.llm.sleep(level=1)
 
-    def wake_up(self) -> None:
-        """Re-allocate after `sleep` (GPU, `enable_sleep_mode=True`); a no-op otherwise."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate after `sleep` (all memory, or `tags` of weights / kv_cache; GPU, `enable_sleep_mode=True`);
+        a no-op otherwise."""
         if self.options.enable_sleep_mode:
-            self.llm.wake_up()
+            self.llm.wake_up(tags)
 
     def shutdown(self) -> None:
         """Stop the engine and its worker processes."""

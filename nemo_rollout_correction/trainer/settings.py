@@ -1,4 +1,4 @@
-"""Shared by `nrc train` and `nrc audit`: engine/sampling/replay settings, tokenisation, rollout broadcast."""
+"""Shared by `nrc train` and `nrc audit`: engine/sampling/replay settings, tokenisation, rollout exchange."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from nemo_rollout_correction.config.schema import TrainConfig
-from nemo_rollout_correction.distributed.runtime import broadcast_object
+from nemo_rollout_correction.distributed.runtime import all_gather_object, broadcast_object
 from nemo_rollout_correction.distributed.vocab_parallel import active_filters
 from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, RolloutBatch, RolloutSample, SamplingOptions
 
@@ -26,9 +26,28 @@ def replay_options(cfg: TrainConfig) -> dict[str, Any]:
     return {"temperature": r.temperature, "top_k": top_k, "top_p": top_p}
 
 
-def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None) -> EngineOptions:
-    """The rollout section's engine settings for `model_dir` (dtype overridable)."""
+def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None, *, per_dp_group_gpu: bool = False,
+                   data_parallel_size: int = 1) -> EngineOptions:
+    """The rollout section's engine settings for `model_dir` (dtype overridable).
+
+    `per_dp_group_gpu`: the GPU form of `rollout.placement=per_dp_group` (UNVERIFIED: no GPU vLLM here). Every
+    rank of the job builds its shard of one engine per data-parallel group: vLLM tensor parallel over the
+    group's `policy.tensor_parallel_size` ranks with `distributed_executor_backend="external_launcher"`, which
+    joins the job's torch.distributed world (env:// from torchrun) and needs vLLM's world, tp x pp x dp, to be
+    that world, so vLLM's `data_parallel_size` is the job's data-parallel size (its dp rank, RANK // tp, is the
+    Megatron dp rank when pp = cp = 1); sleep mode frees the engine's GPU memory during training.
+    """
     r = cfg.rollout
+    if per_dp_group_gpu:
+        return dataclasses.replace(
+            engine_options(cfg, model_dir, dtype),
+            tensor_parallel_size=cfg.policy.tensor_parallel_size,
+            distributed_executor_backend="external_launcher",
+            enable_sleep_mode=True,
+            # the worker side of `VllmRolloutEngine.refit_weight_transfer` (CUDA IPC from the colocated trainer)
+            extra={"weight_transfer_config": {"backend": "ipc"},
+                   **({"data_parallel_size": data_parallel_size} if data_parallel_size > 1 else {})},
+        )
     return EngineOptions(
         model_dir=model_dir,
         dtype=dtype or r.dtype,
@@ -75,5 +94,34 @@ def broadcast_rollouts(batch: RolloutBatch | None, extra: Any = None) -> tuple[R
     return RolloutBatch([RolloutSample(**s) for s in samples], n=n, seconds=seconds), extra
 
 
-__all__ = ["broadcast_rollouts", "engine_options", "pad_token_id", "replay_options", "sampling_options",
-           "tokenize_prompt"]
+def gather_rollouts(local: tuple[int, RolloutBatch] | None, extra: Any = None) -> tuple[RolloutBatch, list[Any]]:
+    """Every engine's rollouts (and `extra`, e.g. its rewards) on every rank of the job, in engine order.
+
+    Engine ranks pass `(engine_index, batch)`, the others None; one `all_gather_object` over the job. The
+    batches are concatenated by engine index, so for prompts sharded contiguously across engines the result
+    is in the order one engine generating every prompt would give; each engine's samples already carry
+    `prompt_index` into the whole call. `seconds` is the slowest engine's (they generate at the same time).
+    Returns the batch and the list of the engines' `extra`, in engine order.
+    """
+    payload: Any = None
+    if local is not None:
+        engine, batch = local
+        payload = (engine, [dataclasses.asdict(s) for s in batch.samples], batch.n, batch.seconds, extra)
+    gathered: list[Any] = all_gather_object(payload)
+    received = sorted((p for p in gathered if p is not None), key=lambda p: p[0])
+    if not received:
+        raise RuntimeError("gather_rollouts: no rank passed an engine's rollouts")
+    samples = [RolloutSample(**s) for p in received for s in p[1]]
+    return (RolloutBatch(samples, n=received[0][2], seconds=max(p[3] for p in received)),
+            [p[4] for p in received])
+
+
+__all__ = [
+    "broadcast_rollouts",
+    "engine_options",
+    "gather_rollouts",
+    "pad_token_id",
+    "replay_options",
+    "sampling_options",
+    "tokenize_prompt",
+]
