@@ -4,7 +4,7 @@ A checkpoint's `meta.json` holds the (redacted) config of the run that wrote it.
 the current config key by key (dotted names): every difference outside `CHANGEABLE` is an incompatibility
 (another model, task, objective, sampling or optimizer setting would silently train something else from
 the restored state), and all of them are reported in ONE error. A different layout (TP/PP/CP sizes, the
-number of processes, micro-batch size) is allowed: the checkpoint is layout-free (`trainer.checkpoint`);
+number of processes, micro-batch size, engine placement) is allowed: the checkpoint is layout-free (`trainer.checkpoint`);
 the trainer logs the change. So is a longer or shorter `run.num_steps` (the LR schedule then follows the
 new length from the saved position), and anything about tracking, checkpointing, launching, evaluation
 or export.
@@ -20,6 +20,7 @@ CHANGEABLE: tuple[str, ...] = (
     "policy.pipeline_parallel_size",
     "policy.context_parallel_size",
     "policy.micro_batch_size",
+    "rollout.placement",
     "run.num_steps",
     "run.resume",
     "run.log_every",
