@@ -113,6 +113,9 @@ class RolloutSample:
     routed_experts: Tensor | None = None
     """With routing capture: int16 `[len(prompt) + len(response) - 1, moe_layers, topk]`, the experts vLLM's
     router chose for the token fed at each position (the last sampled token is never fed forward)."""
+    policy_version: int = 0
+    """The trainer version (completed steps) of the weights that generated it; async rollouts set it
+    (trainer/async_rollouts.py), the synchronous step leaves 0."""
 
 
 @dataclass
