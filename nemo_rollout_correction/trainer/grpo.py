@@ -317,6 +317,13 @@ class GrpoTrainer:
         own = shared if self.runtime.rank == 0 else async_rollouts.load_pending(step_dir, self.runtime.rank)
         batches = async_rollouts.restored_batches(shared, own)
         steps = ", ".join(str(b.step + 1) for b in batches)
+        if self.cfg.rollout.max_staleness == 0:  # synchronous now: every saved batch is stale
+            wait = self.cfg.rollout.stale_policy == "wait"
+            self.log(f"[nrc train] rollout.max_staleness=0: the checkpoint's in-flight rollouts of steps {steps} are "
+                     + ("regenerated with the current weights (rollout.stale_policy=wait)" if wait else
+                        "dropped with their prompts (rollout.stale_policy=drop)"))
+            self._restored_rollouts = (batches, True) if wait else None
+            return
         if regenerate:
             self.log(f"[nrc train] the checkpoint's in-flight rollouts (steps {steps}) were generated under another "
                      f"engine placement ({shared.get('placement')} -> {self._engine_placement()}): regenerating their "
@@ -468,7 +475,7 @@ class GrpoTrainer:
                 rollouts = self._async_rollouts()
             else:
                 with self._timed("generation"):  # one batch, or DAPO's refills (trainer/dynamic_sampling.py)
-                    rollouts = collect_step_rollouts(self.sampler.next_batch(), self.sampler, self.rollout, self.dapo)
+                    rollouts = collect_step_rollouts(self._next_records(), self.sampler, self.rollout, self.dapo)
             batch, records = rollouts.batch, rollouts.records
             if rollouts.warning:
                 self.log(f"[nrc train] step {self.step_index + 1}: {rollouts.warning}")
@@ -503,6 +510,17 @@ class GrpoTrainer:
                 else:
                     self.refit()
         return self._finish_step(batch, reward_t, updates, review, {**rollouts.metrics, **filter_metrics})
+
+    def _next_records(self) -> list[PromptRecord]:
+        """The synchronous step's prompts: the sampler's next batch, or first the prompts of in-flight async
+        rollouts restored from a checkpoint (a run resumed with rollout.max_staleness=0)."""
+        if self._restored_rollouts is None:
+            return self.sampler.next_batch()
+        batches, _ = self._restored_rollouts
+        records = batches.pop(0).records
+        if not batches:
+            self._restored_rollouts = None
+        return records
 
     def _start_pipeline(self) -> async_rollouts.RolloutPipeline:
         """The async rollout pipeline (trainer/async_rollouts.py), queued from the current step and version."""
