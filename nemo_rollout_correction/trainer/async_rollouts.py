@@ -172,7 +172,8 @@ class RolloutPipeline:
             with self._lock:
                 failed = self._failure
             if failed is not None:
-                raise AsyncRolloutError(f"skipped {what}: an earlier engine job failed ({failed})")
+                raise AsyncRolloutError(f"skipped {what}: an earlier engine job failed "
+                                        f"({type(failed).__name__}: {failed})")
             try:
                 return fn()
             except BaseException as exc:
