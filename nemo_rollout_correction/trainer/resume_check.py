@@ -20,6 +20,8 @@ CHANGEABLE: tuple[str, ...] = (
     "policy.pipeline_parallel_size",
     "policy.context_parallel_size",
     "policy.micro_batch_size",
+    "rollout.max_staleness",  # in-flight batches beyond the new bound go by rollout.stale_policy
+    "rollout.stale_policy",
     "run.num_steps",
     "run.resume",
     "run.log_every",
