@@ -32,8 +32,16 @@ microbatch is cut along the tokens in Megatron's load-balanced layout (`shard_ne
 next-token labels are cut from the full sequence first); the correction completes sequence statistics
 over CP and the gradients are summed over dp x cp (Megatron DDP).
 
+Async rollouts (`rollout.max_staleness=k >= 1`, trainer/async_rollouts.py): step 2 takes a batch that the
+engine rank's worker thread generated while earlier steps trained (batch j by the weights of step max(0, j - k);
+each sample carries its `policy_version`), and step 7 gathers the weights on the main thread and queues their
+push and the generation of batch s + 1 + k behind the engine's running job. k = 0 is the synchronous step above,
+on the same code path. The engine is driven through four seams: `generate_local` (no collectives, runs in the
+worker), `share_rollouts` (collective), `gather_engine_weights` (collective) and `push_weights` (no collectives).
+
 Timings of each phase, throughput and every metric are reported to the observer; checkpoints hold
-everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state).
+everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state, and with
+async rollouts the in-flight batches).
 """
 
 from __future__ import annotations
