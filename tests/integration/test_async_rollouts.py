@@ -146,3 +146,18 @@ def test_stale_policy_wait_regenerates_and_drop_discards(tmp_path: Path) -> None
         assert wait[key] == sync[key], key
     # drop trained on other prompts
     assert drop["rollout_corr/training_ppl"] != wait["rollout_corr/training_ppl"]
+
+
+@pytest.mark.slow
+def test_a_reward_error_in_the_worker_thread_fails_the_run_with_its_message(tmp_path: Path) -> None:
+    """The reward runs in the engine worker thread (task.reward_workers=0): its exception must end the run with
+    the reward's message in the main thread, never a hang."""
+    (tmp_path / "async_rewards.py").write_text(
+        "def boom(completions, **kwargs):\n    raise ValueError('the grader is broken')\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([*NRC, *BASE, "rollout.max_staleness=1", "run.num_steps=2", "task.reward_workers=0",
+                           "task.reward_fn=async_rewards:boom", f"run.output_dir={out}"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert "AsyncRolloutError" in proc.stderr and "the grader is broken" in proc.stderr, proc.stderr[-4000:]
+    assert "generate(step 1" in proc.stderr
