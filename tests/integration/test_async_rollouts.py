@@ -161,3 +161,26 @@ def test_a_reward_error_in_the_worker_thread_fails_the_run_with_its_message(tmp_
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert "AsyncRolloutError" in proc.stderr and "the grader is broken" in proc.stderr, proc.stderr[-4000:]
     assert "generate(step 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_refills_and_skipped_updates_keep_the_pipeline_going(tmp_path: Path) -> None:
+    """DAPO with k=1: refills go through the engine queue (their samples are fresh, the first batch's one step
+    old), and a step whose groups all lack variance skips its update while the schedule goes on."""
+    learn, skip = tmp_path / "learn", tmp_path / "skip"
+    nrc(["rollout.max_staleness=1", "run.num_steps=3", "grpo.dynamic_sampling=true", "grpo.max_refill_batches=2"],
+        learn)
+    for m in read_metrics(learn)[1:]:
+        assert 0.0 <= m["rollout/staleness_mean"] <= 1.0 and m["rollout/staleness_max"] <= 1.0
+        if m["grpo/refill_batches"] == 0:  # only the queued batch, one version old
+            assert m["rollout/staleness_mean"] == 1.0
+        assert all(v == v for v in m.values()), "a NaN metric"
+    proc = nrc(["rollout.max_staleness=1", "run.num_steps=3", "task=arithmetic", "grpo.dynamic_sampling=true",
+                "grpo.max_refill_batches=1"], skip)
+    steps = read_metrics(skip)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert "the update is skipped" in proc.stderr and any(m["grpo/update_skipped"] == 1.0 for m in steps)
+    for m in steps:
+        if m["grpo/update_skipped"] == 1.0:  # refill batch fresh (version s), first batch min(s, 1) old
+            assert m["optim/num_updates"] == 0.0 and m["grpo/refill_batches"] == 1.0
+        assert m["rollout/staleness_max"] <= 1.0
