@@ -175,6 +175,8 @@ def test_dynamic_sampling_refills_and_skipped_updates_keep_the_pipeline_going(tm
         if m["grpo/refill_batches"] == 0:  # only the queued batch, one version old
             assert m["rollout/staleness_mean"] == 1.0
         assert all(v == v for v in m.values()), "a NaN metric"
+    # a step that trains on kept refill groups mixes fresh (version s) and one-step-old samples
+    assert any(0.0 < m["rollout/staleness_mean"] < 1.0 for m in read_metrics(learn)[1:])
     proc = nrc(["rollout.max_staleness=1", "run.num_steps=3", "task=arithmetic", "grpo.dynamic_sampling=true",
                 "grpo.max_refill_batches=1"], skip)
     steps = read_metrics(skip)
