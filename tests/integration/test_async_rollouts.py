@@ -186,3 +186,27 @@ def test_dynamic_sampling_refills_and_skipped_updates_keep_the_pipeline_going(tm
         if m["grpo/update_skipped"] == 1.0:  # refill batch fresh (version s), first batch min(s, 1) old
             assert m["optim/num_updates"] == 0.0 and m["grpo/refill_batches"] == 1.0
         assert m["rollout/staleness_max"] <= 1.0
+
+
+@pytest.mark.slow
+def test_two_ranks_follow_the_same_schedule_as_one_process(
+        async_run: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """torchrun DP=2 (gloo): rank 1 has no engine but draws the same prompts and tracks the same versions; the
+    weights are gathered collectively at the end of each step. Steps 1-2 equal the one-process k=1 run."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not found")
+    out = tmp_path / "dp2"
+    launcher = [str(torchrun), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"]
+    proc = subprocess.run([*launcher, *BASE, "parallelism=dp2", "rollout.max_staleness=1", "run.num_steps=2",
+                           "checkpoint.every_n_steps=2", f"run.output_dir={out}"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert all((out / "checkpoints" / "step_2" / "async_rollouts" / f"rank_{r}.pt").exists() for r in (0, 1))
+    _, one = async_run
+    for a, b in zip(one[:2], read_metrics(out), strict=True):
+        assert a["perf/num_generated_tokens"] == b["perf/num_generated_tokens"]
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["rollout/staleness_max"] == b["rollout/staleness_max"]
+        for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "loss/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
