@@ -9,7 +9,11 @@
   uninterrupted run on every metric of steps 3-4;
 - `rollout.stale_policy`: a k=2 checkpoint resumed with k=1 holds batches two versions old: `wait` regenerates
   their prompts with the current weights (the same step as a k=0 resume, which regenerates them synchronously),
-  `drop` discards them (dropped_stale_fraction 0.5) and trains on fresh prompts.
+  `drop` discards them (dropped_stale_fraction 0.5) and trains on fresh prompts;
+- a reward that raises in the worker thread ends the run with its message; DAPO refills go through the queue
+  (fresh samples) and a skipped update keeps the schedule going; torchrun DP=2 follows the one-process schedule.
+
+Default lane: the k=1 run (about 1 minute); the others are marked slow (about 12 minutes together).
 """
 
 from __future__ import annotations
