@@ -214,3 +214,17 @@ def test_two_ranks_follow_the_same_schedule_as_one_process(
         assert a["rollout/staleness_max"] == b["rollout/staleness_max"]
         for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "loss/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_evaluation_runs_as_a_queued_job_on_the_same_weights_as_the_synchronous_step(tmp_path: Path) -> None:
+    """eval after step 1 evaluates version 1 in both modes: step 1 trains on the same batch (version 0), so the
+    held-out metrics are equal; with k=1 the evaluation waits behind the queued generate(2) and push(1)."""
+    runs = {}
+    for k in (0, 1):
+        out = tmp_path / f"k{k}"
+        nrc([f"rollout.max_staleness={k}", "run.num_steps=1", "eval.every_n_steps=1", "eval.num_prompts=4",
+             "eval.num_samples=2"], out)
+        runs[k] = read_metrics(out)[-1]
+    evals = {key: v for key, v in runs[0].items() if key.startswith("eval/")}
+    assert evals and evals == {key: v for key, v in runs[1].items() if key.startswith("eval/")}

@@ -245,3 +245,18 @@ def test_bad_settings_name_the_key() -> None:
 def test_staleness_metrics_count_per_sample() -> None:
     m = staleness_metrics([3, 3, 2, 2], trainer_version=4, num_dropped=4)
     assert m == {"rollout/staleness_mean": 1.5, "rollout/staleness_max": 2.0, "rollout/dropped_stale_fraction": 0.5}
+
+
+def test_call_runs_after_the_queued_jobs_on_the_worker() -> None:
+    """Evaluation is a queued job: it sees the engine after every earlier push and generate."""
+    engine, sampler = FakeEngine(), Sampler()
+    pipeline = _pipeline(engine, sampler, 1)
+    pipeline.start(0)
+    pipeline.take(0)
+    pipeline.end_step(0, {"version": torch.tensor(1)})
+    seen = pipeline.call("evaluate", lambda: (engine.weights_version, len(engine.jobs),
+                                              threading.current_thread().name))
+    assert seen[0] == 1 and seen[1] == 4 and seen[2].startswith("nrc-engine")  # gen 0, gen 1, push 1, gen 2
+    with pytest.raises(AsyncRolloutError, match=r"evaluate: ZeroDivisionError"):
+        pipeline.call("evaluate", lambda: 1 / 0)
+    pipeline.close()
