@@ -226,5 +226,9 @@ def test_evaluation_runs_as_a_queued_job_on_the_same_weights_as_the_synchronous_
         nrc([f"rollout.max_staleness={k}", "run.num_steps=1", "eval.every_n_steps=1", "eval.num_prompts=4",
              "eval.num_samples=2"], out)
         runs[k] = read_metrics(out)[-1]
-    evals = {key: v for key, v in runs[0].items() if key.startswith("eval/")}
-    assert evals and evals == {key: v for key, v in runs[1].items() if key.startswith("eval/")}
+    def evals(m: dict[str, Any]) -> dict[str, Any]:
+        return {key: v for key, v in m.items() if key.startswith("eval/") and key != "eval/seconds"}
+
+    assert evals(runs[0]) and evals(runs[0]) == evals(runs[1])
+    # (on the random tiny model these metrics barely move with one update: the version order itself is checked
+    # by tests/unit/test_async_rollouts.py::test_call_runs_after_the_queued_jobs_on_the_worker)
