@@ -340,19 +340,32 @@ class GrpoTrainer:
             self.log(f"[nrc train] restored the checkpoint's in-flight rollouts of steps {steps}")
         self._restored_rollouts = (batches, regenerate)
 
+    def _in_flight_rollouts(self) -> dict[str, Any] | None:
+        """Async rollouts: wait for the queued engine jobs and return this rank's in-flight batches (prompts,
+        versions, the engine rank's samples) for the checkpoint; None without the pipeline."""
+        if self.pipeline is None:
+            return None
+        self.pipeline.drain()
+        return {**self.pipeline.state(self.num_engines), "placement": self._engine_placement()}
+
+    def _save_in_flight_rollouts(self, step_dir: Path, state: dict[str, Any] | None) -> None:
+        """Write `_in_flight_rollouts()` to `<step_dir>/async_rollouts/rank_<r>.pt` (every rank; collective: ends in
+        a barrier so every file exists before `meta.json` marks the checkpoint complete). No-op for None."""
+        if state is None:
+            return
+        path = async_rollouts.pending_file(step_dir, self.runtime.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+        barrier()
+
     def save_checkpoint(self) -> Path:
         """Save every rank's state for the current step; the logging rank marks it complete and prunes."""
         step_dir = self.ckpt_dir / f"step_{self.step_index}"
         save_optimizer = self.cfg.checkpoint.save_optimizer
+        in_flight = self._in_flight_rollouts()  # taken now: the pipeline moves on after the save
         ckpt.save_checkpoint(step_dir, self.policy.model, self.optim, rank=self.runtime.rank,
                              save_optimizer=save_optimizer, log=self.log)  # collective; ends in a barrier
-        if self.pipeline is not None:  # in-flight rollouts are saved (exact resume), every rank before meta.json
-            self.pipeline.drain()
-            state = {**self.pipeline.state(self.num_engines), "placement": self._engine_placement()}
-            path = async_rollouts.pending_file(step_dir, self.runtime.rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, path)
-            barrier()
+        self._save_in_flight_rollouts(step_dir, in_flight)  # before meta.json marks the checkpoint complete
         if self.runtime.is_main:
             ckpt.write_meta(
                 step_dir,
