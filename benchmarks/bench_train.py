@@ -27,6 +27,13 @@ shared machine: wall time also counts the waits for cores other jobs hold.
     git worktree add /tmp/old71062bd 71062bd
     .venv/bin/python benchmarks/bench_train.py --optimizer --old-tree /tmp/old71062bd
     .venv/bin/python benchmarks/bench_train.py --optimizer --old-tree /tmp/old71062bd --groups tiny,smollm2-dp1
+
+`--rollouts` measures the rollout side (issue 13) with its two benchmarks, one after the other: synchronous vs
+`rollout.max_staleness=1` on the default model (`bench_async.py`: step time, generated tokens/s, the trainer's
+wait) and 1 vs 2 engines at DP = 2 on the tiny model (`bench_rollout.py`: `rollout.placement=rank0` vs
+`per_dp_group` under torchrun).
+
+    .venv/bin/python benchmarks/bench_train.py --rollouts --steps 4
 """
 
 from __future__ import annotations
@@ -224,8 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="--optimizer: interleaved repeats per config")
     parser.add_argument("--groups", default=",".join(OPT_GROUPS),
                         help=f"--optimizer: comma-separated row groups ({', '.join(OPT_GROUPS)})")
+    parser.add_argument("--rollouts", action="store_true",
+                        help="sync vs max_staleness=1 (default model) and 1 vs 2 engines at DP=2 (tiny model)")
     parser.add_argument("overrides", nargs="*", help="nrc train overrides applied to every mode")
     args = parser.parse_args(argv)
+    if args.rollouts:
+        here = Path(__file__).resolve().parent
+        for script in ("bench_async.py", "bench_rollout.py"):  # each prints its own side-by-side table
+            print(f"== {script}", flush=True)
+            subprocess.run([sys.executable, str(here / script), "--steps", str(args.steps), *args.overrides],
+                           check=True)
+        return 0
     if args.optimizer:
         run_optimizer_bench(args.old_tree, args.updates, args.repeats, args.groups.split(","))
         return 0
