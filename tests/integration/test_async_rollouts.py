@@ -233,7 +233,7 @@ def test_evaluation_runs_as_a_queued_job_on_the_same_weights_as_the_synchronous_
 
     assert evals(runs[0]) and evals(runs[0]) == evals(runs[1])
     # (on the random tiny model these metrics barely move with one update: the version order itself is checked
-    # by tests/unit/test_async_rollouts.py::test_call_runs_after_the_queued_jobs_on_the_worker)
+    # by tests/unit/test_async_rollout_pipeline.py::test_call_runs_after_the_queued_jobs_on_the_worker)
 
 
 @pytest.mark.slow
