@@ -21,14 +21,12 @@ so the overlap gains little there: this benchmark reports what it measures.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from nrc_job import run_nrc_train
 
 SETTINGS = {
     "sync (max_staleness=0)": ["rollout.max_staleness=0"],
@@ -41,16 +39,7 @@ def run(name: str, overrides: list[str], steps: int, workdir: Path) -> tuple[lis
     cmd = [sys.executable, "-m", "nemo_rollout_correction.cli", "train", f"run.num_steps={steps}",
            f"run.output_dir={out}", "tracking.enabled=false", "checkpoint.every_n_steps=0", "export.at_end=false",
            *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    print(f"[bench_async] {name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"{name}: nrc train exited {proc.returncode}")
-    seconds = time.perf_counter() - start
-    print(f"[bench_async] {name}: done in {seconds:.0f} s", file=sys.stderr, flush=True)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], seconds
+    return run_nrc_train(cmd, out, f"[bench_async] {name}")
 
 
 def summary(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -23,15 +23,13 @@ two cores: report what is measured; the gain on GPUs comes from each engine owni
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from nrc_job import run_nrc_train
 
 PLACEMENTS = {"1 engine (rank0)": "rank0", "2 engines (per_dp_group)": "per_dp_group"}
 DEFAULTS = [
@@ -58,16 +56,8 @@ def run_placement(name: str, placement: str, overrides: list[str], steps: int, w
         torchrun = shutil.which("torchrun") or "torchrun"
     cmd = [torchrun, "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train", *DEFAULTS, *overrides,
            f"rollout.placement={placement}", f"run.num_steps={steps}", f"run.output_dir={out}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    print(f"[bench_rollout] {name}: {' '.join(cmd[4:])}", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"{name}: nrc train exited {proc.returncode}")
-    print(f"[bench_rollout] {name}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = run_nrc_train(cmd, out, f"[bench_rollout] {name}")
+    return rows
 
 
 def medians(rows: list[dict[str, float]]) -> dict[str, float]:

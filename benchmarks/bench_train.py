@@ -48,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nrc_job import run_nrc_train
+
 PHASES = ("generation", "old_logprob", "correction", "train", "refit", "step")
 MODES = {
     "decoupled (token_tis)": ["rollout_correction=token_tis"],
@@ -60,15 +62,8 @@ def run_mode(name: str, overrides: list[str], steps: int, workdir: Path) -> list
     out = workdir / name.split()[0]
     cmd = [sys.executable, "-m", "nemo_rollout_correction.cli", "train", f"run.num_steps={steps}",
            f"run.output_dir={out}", "tracking.enabled=false", "checkpoint.every_n_steps=0", *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    print(f"[bench_train] {name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"{name}: nrc train exited {proc.returncode}")
-    print(f"[bench_train] {name}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = run_nrc_train(cmd, out, f"[bench_train] {name}")
+    return rows
 
 
 def medians(rows: list[dict[str, float]]) -> dict[str, float]:
