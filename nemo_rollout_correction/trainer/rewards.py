@@ -36,6 +36,7 @@ from nemo_rollout_correction.trainer.data import PromptRecord
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "BatchScorer",
     "RewardError",
     "RewardFn",
     "arithmetic_reward",
@@ -66,6 +67,24 @@ class RewardFn(Protocol):
         records: list[PromptRecord],
         completion_token_counts: list[int],
     ) -> Sequence[float]: ...
+
+
+@runtime_checkable
+class BatchScorer(Protocol):
+    """A reward that checks and scores a whole batch itself (:class:`~nemo_rollout_correction.trainer.reward_pool.
+    RewardPool`: one bounded call per completion in its workers). :func:`score` hands such an object the batch.
+
+    A protocol, not the class, so that this module does not import the pool module (which imports this one).
+    """
+
+    def score(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        records: Sequence[PromptRecord],
+        completion_token_counts: Sequence[int],
+        sample_ids: Sequence[tuple[int, int]] | None = None,
+    ) -> list[float]: ...
 
 
 # A number not glued to a preceding word/number character: "-3", "12", "3.0"; in "x-3" or "5-3" the
@@ -285,9 +304,7 @@ def score(
             or a value that is not a real number or is NaN/inf; the message names the function,
             the sample and the value. A pool also raises it for a call past ``task.reward_timeout_s``.
     """
-    from nemo_rollout_correction.trainer.reward_pool import RewardPool  # the pool module imports this one
-
-    if isinstance(reward_fn, RewardPool):
+    if isinstance(reward_fn, BatchScorer):
         return reward_fn.score(prompts, completions, records, completion_token_counts, sample_ids=sample_ids)
     num = len(completions)
     lengths = {
