@@ -148,3 +148,15 @@ def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Pa
     if any_rejected is not None:
         seq.sums["num_rs_token_rejected"] = _row_sum(any_rejected)
     return seq
+
+
+def sequence_mean_k3(log_ratio: Tensor, loss_mask: Tensor) -> Tensor:
+    """Per-sequence mean k3 = rho - 1 - log rho over `loss_mask` (`[rows, seq]` -> `[rows]` float64; 0 for a row
+    without tokens). Used by the trainer's review and the audit's per-sequence tables.
+
+    In float64 with expm1 and clamped at 0: in float32 the cancellation of near-equal terms made tiny fp32-engine
+    mismatches (|log rho| ~ 1e-6) come out negative. `log_ratio` is clamped to +-20 first (design decision 3).
+    """
+    r64 = log_ratio.double().clamp(-20, 20)
+    k3 = (torch.expm1(r64) - r64).clamp(min=0.0)
+    return torch.where(loss_mask, k3, 0.0).sum(-1) / loss_mask.sum(-1).clamp(min=1)

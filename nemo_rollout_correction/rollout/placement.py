@@ -4,8 +4,11 @@
   a given data-parallel size (`auto`: one engine per data-parallel group when there is more than one group);
 - `prompt_shard`: engine e of E generates chunk e of a contiguous split of a call's prompts (the split of
   `torch.tensor_split`: the first `P mod E` chunks hold one prompt more);
+- `request_seed`: the request seed of prompt 0 of a generate call of a step (and of its DAPO refills);
 - `shard_request_seed`: the request seed engine e passes to `VllmRolloutEngine.generate` so that every
   sample's seed is the one it would get from a single engine generating every prompt.
+
+Every request seed of a run comes from these two functions (the trainer's `RolloutFleet` calls them).
 
 Why the seeds line up: a single engine gives prompt i of a call the request seed `base + i * n`
 (`VllmRolloutEngine.generate`); an engine whose chunk starts at prompt `first` generates its local prompt j
@@ -55,12 +58,44 @@ def prompt_shard(num_prompts: int, num_engines: int, engine: int) -> range:
     return range(start, start + base + (1 if engine < extra else 0))
 
 
+STEP_SEED_STRIDE = 100_003
+"""Request seeds of step s start at `seed + s * STEP_SEED_STRIDE`: distinct across steps, reproducible on resume."""
+
+
+def request_seed(rollout_seed: int, step: int, attempt: int, num_prompts: int, samples_per_prompt: int) -> int:
+    """The request seed of prompt 0 of a `generate` call (prompt i gets `+ i * n`, see `VllmRolloutEngine`).
+
+    `attempt` k > 0 is the step's k-th dynamic-sampling refill: its seeds follow those of the batches before
+    it, so every refill samples afresh and a resumed run draws the same tokens.
+    """
+    return rollout_seed + step * STEP_SEED_STRIDE + attempt * num_prompts * samples_per_prompt
+
+
+def check_seed_budget(seeds_per_step: int) -> None:
+    """Raise when a step would use more request seeds than `STEP_SEED_STRIDE` (it would reuse the next step's)."""
+    if seeds_per_step >= STEP_SEED_STRIDE:
+        raise ValueError(
+            f"grpo.dynamic_sampling: (grpo.max_refill_batches + 1) x task.prompts_per_step x "
+            f"rollout.num_samples_per_prompt = {seeds_per_step} request seeds per step must stay below "
+            f"{STEP_SEED_STRIDE}; lower grpo.max_refill_batches"
+        )
+
+
 def shard_request_seed(call_seed: int, first_prompt: int, samples_per_prompt: int) -> int:
     """The request seed of an engine's first prompt: `call_seed + first_prompt * samples_per_prompt`.
 
-    `call_seed` is the seed a single engine would give prompt 0 of the call (`GrpoTrainer.request_seed`).
+    `call_seed` is the seed a single engine would give prompt 0 of the call (`request_seed`).
     """
     return call_seed + first_prompt * samples_per_prompt
 
 
-__all__ = ["ROLLOUT_PLACEMENTS", "RolloutPlacement", "prompt_shard", "resolve_placement", "shard_request_seed"]
+__all__ = [
+    "ROLLOUT_PLACEMENTS",
+    "STEP_SEED_STRIDE",
+    "RolloutPlacement",
+    "check_seed_budget",
+    "prompt_shard",
+    "request_seed",
+    "resolve_placement",
+    "shard_request_seed",
+]

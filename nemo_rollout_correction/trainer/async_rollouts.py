@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -42,6 +42,7 @@ from nemo_rollout_correction.trainer.data import PromptRecord
 
 __all__ = [
     "AsyncRolloutError",
+    "EngineJobs",
     "LocalRollouts",
     "PendingBatch",
     "RolloutPipeline",
@@ -54,13 +55,20 @@ __all__ = [
 ]
 
 LocalRollouts = tuple[RolloutBatch, list[float]]
-"""One engine's `(batch, rewards)` (`GrpoTrainer.generate_local`)."""
+"""One engine's `(batch, rewards)` (`RolloutFleet.generate_local`)."""
 
-GenerateLocal = Callable[[list[PromptRecord], int, int], LocalRollouts | None]
-"""`(records, step, attempt) -> local rollouts` (None on ranks without an engine); no collectives."""
 
-PushWeights = Callable[[dict[str, Tensor]], float]
-"""Load full weights into this rank's engine; returns seconds; no collectives."""
+class EngineJobs(Protocol):
+    """What the pipeline's worker runs on this rank's engine (the trainer's `RolloutFleet`). No collectives."""
+
+    def generate_local(self, records: list[PromptRecord], step: int, attempt: int = 0) -> LocalRollouts | None:
+        """This rank's engine generates and scores `records` for `step` (None on ranks without an engine)."""
+        ...
+
+    def push_weights(self, weights: dict[str, Tensor]) -> float:
+        """Load full weights into this rank's engine; returns seconds."""
+        ...
+
 
 T = TypeVar("T")
 
@@ -130,8 +138,8 @@ class RolloutPipeline:
     ranks (`has_engine`) run a worker thread. Versions and prompts are tracked on every rank.
 
     Args:
-        generate: this rank's engine generates and scores (`GrpoTrainer.generate_local`); runs in the worker.
-        push: load weights into this rank's engine (`GrpoTrainer.push_weights`); runs in the worker.
+        engine: this rank's engine jobs (the trainer's `RolloutFleet`): `generate_local` (generate and score)
+            and `push_weights` run in the worker.
         draw: the sampler's next prompts (main thread; every rank draws identically).
         max_staleness: k >= 1.
         stale_policy: `wait` or `drop` (for a batch older than k versions).
@@ -140,7 +148,7 @@ class RolloutPipeline:
         log: progress lines (the logging rank's printer).
     """
 
-    def __init__(self, generate: GenerateLocal, push: PushWeights, draw: Callable[[], list[PromptRecord]], *,
+    def __init__(self, engine: EngineJobs, draw: Callable[[], list[PromptRecord]], *,
                  max_staleness: int, stale_policy: str, samples_per_prompt: int, has_engine: bool,
                  log: Callable[[str], None] = lambda message: None) -> None:
         if max_staleness < 1:
@@ -148,7 +156,7 @@ class RolloutPipeline:
                              "synchronous step)")
         if stale_policy not in ("wait", "drop"):
             raise ValueError(f"rollout.stale_policy={stale_policy!r} is not allowed; choose one of 'drop', 'wait'")
-        self._generate, self._push, self._draw = generate, push, draw
+        self._engine, self._draw = engine, draw
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         self.samples_per_prompt = samples_per_prompt
         self.has_engine = has_engine
@@ -204,10 +212,10 @@ class RolloutPipeline:
         version = self.version
         pending = PendingBatch(step=step, records=records, version=version)
         if self._executor is not None:
-            generate = self._generate
+            engine = self._engine
             pending.future = self._submit(
                 f"generate(step {step + 1}, version {version})",
-                lambda: stamp_version(generate(records, step, attempt), version))
+                lambda: stamp_version(engine.generate_local(records, step, attempt), version))
         return pending
 
     # ---- the schedule ---------------------------------------------------------------------------------------
@@ -277,10 +285,10 @@ class RolloutPipeline:
         `gather_engine_weights`) and queue the batches up to step + 1 + k."""
         self.version = step + 1
         if self._executor is not None and weights is not None:
-            push = self._push
+            engine = self._engine
 
             def run_push() -> None:
-                self.push_seconds.append(push(weights))
+                self.push_seconds.append(engine.push_weights(weights))
 
             self._pushes.append(self._submit(f"push weights (version {step + 1})", run_push))
         self._fill(step + 1 + self.max_staleness)

@@ -39,27 +39,28 @@ def main(out_dir: str, overrides: list[str]) -> None:
                            cfg.policy.context_parallel_size)
     Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
     trainer = GrpoTrainer(cfg, runtime)
-    result: dict[str, Any] = {"rank": runtime.rank, "engine_index": trainer.engine_index,
-                              "num_engines": trainer.num_engines, "placement": trainer.placement}
+    fleet = trainer.fleet
+    result: dict[str, Any] = {"rank": runtime.rank, "engine_index": fleet.engine_index,
+                              "num_engines": fleet.num_engines, "placement": fleet.placement}
     try:
         shared: list[tuple[RolloutBatch, list[float]]] = []
-        rollout = trainer.rollout
+        rollout = fleet.rollout
 
-        def recording_rollout(records: Any, attempt: int = 0) -> tuple[RolloutBatch, list[float]]:
-            out = rollout(records, attempt)
+        def recording_rollout(records: Any, step: int, attempt: int = 0) -> tuple[RolloutBatch, list[float]]:
+            out = rollout(records, step, attempt)
             shared.append(out)
             return out
 
         localized: list[RolloutBatch] = []
-        localize = trainer.localize_rollouts
+        localize = fleet.localize
 
-        def recording_localize(batch: RolloutBatch) -> RolloutBatch:
-            out = localize(batch)
+        def recording_localize(batch: RolloutBatch, step: int, train_rows: Any) -> RolloutBatch:
+            out = localize(batch, step, train_rows)
             localized.append(out)
             return out
 
-        trainer.rollout = recording_rollout  # type: ignore[method-assign]  # records, then calls the real one
-        trainer.localize_rollouts = recording_localize  # type: ignore[method-assign]
+        fleet.rollout = recording_rollout  # type: ignore[method-assign]  # records, then calls the real one
+        fleet.localize = recording_localize  # type: ignore[method-assign]
         metrics = trainer.step()
         batch, rewards = shared[0]
         result |= {
@@ -72,18 +73,18 @@ def main(out_dir: str, overrides: list[str]) -> None:
         }
         # After the step's refit: this rank's engine against the trainer's weights, on fresh samples.
         # (TP = 1 only: the engine rank's re-score alone would be a tensor-parallel collective)
-        local = trainer.generate_local(trainer.sampler.next_batch(), step=trainer.step_index)
+        local = fleet.generate_local(trainer.sampler.next_batch(), step=trainer.step_index)
         if local is not None and local[0].samples and runtime.tensor_parallel_size == 1:
             after = local[0]
             tensors = after.to_tensors(trainer.pad_id)
             trainer.policy.model.eval()
-            scored = score_microbatches(trainer.policy, [tensors["input_ids"]], trainer.replay)
+            scored = score_microbatches(trainer.policy, [tensors["input_ids"]], trainer.update.replay)
             assert scored is not None
             mask = tensors["loss_mask"]
             diff = (scored[0] - tensors["rollout_logprobs"]).abs()[mask]
             result["max_abs_logprob_diff"] = float(diff.max())
             result["num_scored_tokens"] = int(mask.sum())
-            result["engine_refit_s"] = trainer._push_seconds
+            result["engine_refit_s"] = fleet.push_seconds
         del torch
         barrier()
     finally:

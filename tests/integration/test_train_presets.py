@@ -47,23 +47,24 @@ def trainer(megatron_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def _snapshot(trainer: Any) -> dict[str, Any]:
     return {"model": copy.deepcopy(trainer.policy.model.state_dict()),
-            "optimizer": copy.deepcopy(trainer.optim.state_dict()),
+            "optimizer": copy.deepcopy(trainer.update.optim.state_dict()),
             "sampler": trainer.sampler.state_dict(), "step": trainer.step_index}
 
 
 def _restore(trainer: Any, snap: dict[str, Any]) -> None:
     trainer.policy.model.load_state_dict(snap["model"])
-    trainer.optim.load_state_dict(snap["optimizer"])
+    trainer.update.optim.load_state_dict(snap["optimizer"])
     trainer.sampler.load_state_dict(snap["sampler"])
     trainer.step_index = snap["step"]
-    trainer.refit()
+    trainer.fleet.refit(trainer.policy)
 
 
 def _use(trainer: Any, rc_cfg: RolloutCorrectionConfig) -> None:
-    trainer.rc_cfg = rc_cfg
-    trainer.loss_fn = RolloutCorrectedPolicyLoss(rc_cfg, PolicyLossConfig(
+    update = trainer.update  # the trainer's PolicyUpdate owns the correction and the loss
+    update.rc_cfg = rc_cfg
+    update.loss_fn = RolloutCorrectedPolicyLoss(rc_cfg, PolicyLossConfig(
         clip_ratio_low=trainer.cfg.grpo.clip_ratio_low, clip_ratio_high=trainer.cfg.grpo.clip_ratio_high,
-        loss_agg_mode=trainer.cfg.grpo.loss_agg_mode), norm_length=trainer.loss_fn.norm_length)
+        loss_agg_mode=trainer.cfg.grpo.loss_agg_mode), norm_length=update.loss_fn.norm_length)
 
 
 def _params(trainer: Any) -> dict[str, torch.Tensor]:

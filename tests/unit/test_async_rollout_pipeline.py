@@ -35,7 +35,8 @@ class FakeEngine:
         self.fail_on_step: int | None = None
         self.gate: dict[int, threading.Event] = {}
 
-    def generate(self, records: list[PromptRecord], step: int, attempt: int) -> tuple[RolloutBatch, list[float]]:
+    def generate_local(self, records: list[PromptRecord], step: int,
+                       attempt: int = 0) -> tuple[RolloutBatch, list[float]]:
         self.threads.add(threading.current_thread().name)
         if step in self.gate:
             assert self.gate[step].wait(10), "the main thread never released this job"
@@ -47,7 +48,7 @@ class FakeEngine:
                    for i, r in enumerate(records) for _ in range(N)]
         return RolloutBatch(samples, n=N, seconds=0.0), [float(self.weights_version)] * len(samples)
 
-    def push(self, weights: dict[str, torch.Tensor]) -> float:
+    def push_weights(self, weights: dict[str, torch.Tensor]) -> float:
         self.weights_version = int(weights["version"])
         self.jobs.append(("push", self.weights_version, self.weights_version))
         return 0.0
@@ -64,7 +65,7 @@ class Sampler:
 
 def _pipeline(engine: FakeEngine, sampler: Sampler, k: int, policy: str = "wait", *,
               has_engine: bool = True) -> RolloutPipeline:
-    return RolloutPipeline(engine.generate, engine.push, sampler.next_batch, max_staleness=k, stale_policy=policy,
+    return RolloutPipeline(engine, sampler.next_batch, max_staleness=k, stale_policy=policy,
                            samples_per_prompt=N, has_engine=has_engine)
 
 
@@ -141,7 +142,7 @@ def _restored(step: int, versions: list[int], k_old: int) -> list[PendingBatch]:
     for j, v in zip(range(step, step + k_old + 1), versions, strict=True):
         engine.weights_version = v
         records = [PromptRecord(prompt=f"saved{j}-{i}") for i in range(3)]
-        out.append(PendingBatch(step=j, records=records, version=v, local=engine.generate(records, j, 0)))
+        out.append(PendingBatch(step=j, records=records, version=v, local=engine.generate_local(records, j, 0)))
     return out
 
 

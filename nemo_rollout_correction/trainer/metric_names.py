@@ -1,0 +1,98 @@
+"""Names of the metrics the trainer emits (`metrics.jsonl`, MLflow) and that other code reads: one constant each.
+
+The trainer (`trainer/step_report.py`) writes these names; the console (`trainer/console.py`), the MLflow
+observer (`cli/observer.py`) and the audit (`trainer/audit.py`) read them. A string typed twice could drift
+(a typo read through `.get(key, default)` showed 0.0 silently); every reader names a constant from here and
+indexes the metrics (`metrics[KEY]`, a missing key raises). Keys a step emits only under some configurations
+are read with `optional`, which still refuses a name that is not listed here. docs/metrics.md documents every
+key (tests/unit/test_metrics_documented.py checks it against what a real step emits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# -- every step ------------------------------------------------------------------------------------------
+REWARD_MEAN = "reward/mean"
+REWARD_STD = "reward/std"
+REWARD_MAX = "reward/max"
+REWARD_MIN = "reward/min"
+RESPONSE_LENGTH_MEAN = "response/length_mean"
+RESPONSE_LENGTH_MAX = "response/length_max"
+RESPONSE_TRUNCATED_FRACTION = "response/truncated_fraction"
+PERF_NUM_SAMPLES = "perf/num_samples"
+PERF_NUM_GENERATED_TOKENS = "perf/num_generated_tokens"
+PERF_GENERATION_TOKENS_PER_S = "perf/generation_tokens_per_s"
+OPTIM_NUM_UPDATES = "optim/num_updates"
+ROLLOUT_NUM_ENGINES = "rollout/num_engines"
+TIMING_CORRECTION_FRACTION = "timing/correction_fraction"
+TIMING_GENERATION = "timing/generation_s"
+TIMING_TRAIN = "timing/train_s"
+
+# -- steps with an optimizer update (a DAPO-skipped step has none of these) ------------------------------------
+LOSS_POLICY = "loss/policy"
+LOSS_KL_PENALTY = "loss/kl_penalty"
+LOSS_PG_CLIPFRAC = "loss/pg_clipfrac"
+LOSS_PG_CLIPFRAC_LOWER = "loss/pg_clipfrac_lower"
+LOSS_PPO_KL = "loss/ppo_kl"
+LOSS_GRAD_NORM = "loss/grad_norm"
+OPTIM_LR = "optim/lr"
+OPTIM_LOSS_SCALE = "optim/loss_scale"
+OPTIM_SKIPPED_UPDATES = "optim/skipped_updates"
+PERF_TRAIN_TOKENS_PER_S = "perf/train_tokens_per_s"
+LOGLINEAR_ABS_ERROR_MEAN = "rollout_corr/loglinear_abs_error_mean"
+LOGLINEAR_RMSE = "rollout_corr/loglinear_rmse"
+
+# -- rollout correction (core/metrics.py writes them without the prefix; docs/metrics.md) ----------------------
+RC_KL = "rollout_corr/kl"
+RC_K3_KL = "rollout_corr/k3_kl"
+RC_KEPT_TOKEN_FRACTION = "rollout_corr/kept_token_fraction"
+RC_NUM_VALID_SEQS = "rollout_corr/num_valid_seqs"
+RC_NUM_KEPT_SEQS = "rollout_corr/num_kept_seqs"
+RC_IS_EFF_SAMPLE_SIZE = "rollout_corr/rollout_is_eff_sample_size"
+RC_IS_RATIO_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
+RC_IS_RATIO_FRACTION_LOW = "rollout_corr/rollout_is_ratio_fraction_low"
+RC_IS_SEQ_FRACTION_HIGH = "rollout_corr/rollout_is_seq_fraction_high"
+RC_IS_SEQ_FRACTION_LOW = "rollout_corr/rollout_is_seq_fraction_low"
+RC_RS_MASKED_FRACTION = "rollout_corr/rollout_rs_masked_fraction"
+RC_VETO_FRACTION = "rollout_corr/veto_fraction"
+
+# -- evaluation (trainer/evaluation.py) ------------------------------------------------------------------------
+EVAL_REWARD_MEAN = "eval/reward_mean"
+EVAL_GREEDY_REWARD_MEAN = "eval/greedy_reward_mean"
+EVAL_GREEDY_RESPONSE_LENGTH_MEAN = "eval/greedy_response_length_mean"
+EVAL_GREEDY_ACCURACY = "eval/greedy_accuracy"
+EVAL_RESPONSE_LENGTH_MEAN = "eval/response_length_mean"
+EVAL_SECONDS = "eval/seconds"
+EVAL_PASS_AT_PREFIX = "eval/pass_at_"
+
+
+def timing(phase: str) -> str:
+    """`timing/<phase>_s`: seconds of one phase of the step."""
+    return f"timing/{phase}_s"
+
+
+def engine_refit(engine: int) -> str:
+    """`rollout/engine<e>_refit_s`: engine e's latest weight load, as reported with the step's rollouts."""
+    return f"rollout/engine{engine}_refit_s"
+
+
+def pg_clipfrac_epoch(epoch: int) -> str:
+    """`loss/pg_clipfrac_epoch<k>`: the PPO clip fraction of the k-th (1-based) pass over the step's rollouts."""
+    return f"loss/pg_clipfrac_epoch{epoch}"
+
+
+KNOWN: frozenset[str] = frozenset(value for name, value in dict(globals()).items()
+                                  if name.isupper() and isinstance(value, str) and name != "EVAL_PASS_AT_PREFIX")
+"""Every fixed name above (the `timing/*`, per-engine and per-epoch families are built by the functions)."""
+
+
+def optional(metrics: Mapping[str, float], key: str, absent: float) -> float:
+    """`metrics[key]`, or `absent` where this step legitimately has no such key (a skipped update, a correction
+    without IS or RS). `key` must be one of the names above: a typo raises instead of reading `absent`."""
+    if key not in KNOWN:
+        raise KeyError(f"{key!r} is not a metric name of trainer/metric_names.py")
+    return float(metrics[key]) if key in metrics else absent
+
+
+__all__ = [name for name in dir() if name.isupper()] + ["engine_refit", "optional", "pg_clipfrac_epoch", "timing"]

@@ -1,0 +1,355 @@
+"""`PolicyUpdate`: a step's optimizer updates of the Megatron policy, from the step's batch tensors.
+
+What it owns (and is the only part of the trainer to touch): the rollout-corrected loss, the optimizer (Megatron
+DDP + optimizer + LR schedule, models/optimizer.py), the cut of a step's samples into mini-batches and this
+rank's microbatches, the no-grad passes (old and reference logprobs), and each update's phases
+plan -> forward/backward -> optimizer step -> finish. It reads the policy and the reference policy it is
+handed; it does not touch the engines, the sampler, metrics files or checkpoints.
+
+Each phase leaves an immutable record (one job each, nothing filled in later):
+
+- `Microbatch`: the cut (this dp rank's rows, trimmed to the longest, this CP rank's share of the tokens);
+- `Scored`: the no-grad passes before the step's first update (`score`);
+- `MicrobatchPass`: what the loss pass computed for one microbatch (its logprobs; loglinear pi_old);
+- `Update`: one optimizer update (its plan, reduced statistics, what the optimizer did, its passes).
+
+The loglinear `old_logprobs` (AReaL's interpolation, `rollout_correction.old_logprob_source=loglinear`) are
+computed in the loss pass from the update's index, which every call receives explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.core.loglinear import loglinear_alpha, loglinear_error_partials, loglinear_old_logprobs
+from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
+from nemo_rollout_correction.distributed.context_parallel import shard_next_token_batch
+from nemo_rollout_correction.distributed.groups import ParallelGroups
+from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
+from nemo_rollout_correction.losses.rollout_corrected_pg import RolloutCorrectedPolicyLoss
+from nemo_rollout_correction.losses.step_plan import (
+    DenominatorStrategy,
+    StepPlan,
+    StepResult,
+    StepStats,
+    denominator_strategy,
+    finish_step,
+    microbatch_loss,
+    plan_step,
+)
+from nemo_rollout_correction.models.optimizer import OptimizerSettings, UpdateResult, build_policy_optimizer
+from nemo_rollout_correction.models.policy import MegatronPolicy
+from nemo_rollout_correction.models.schedule import run_microbatches
+from nemo_rollout_correction.trainer import routing_replay
+from nemo_rollout_correction.trainer.scoring import score_microbatches
+from nemo_rollout_correction.trainer.settings import replay_options
+
+__all__ = ["Microbatch", "MicrobatchPass", "PhaseTimer", "PolicyUpdate", "Scored", "Update", "train_rows"]
+
+PhaseTimer = Callable[[str], AbstractContextManager[None]]
+"""`timer(phase)`: a context manager adding the seconds inside to the step's `timing/<phase>_s`."""
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One microbatch of this dp rank, cut to its longest row. All `[rows, width - 1]` unless noted.
+
+    With context parallelism the token tensors are this CP rank's share, `[rows, padded // cp]`, and
+    `labels` / `position_ids` are set (see `distributed.context_parallel.shard_next_token_batch`).
+    """
+
+    input_ids: Tensor  # [rows, width]
+    rollout_logprobs: Tensor
+    loss_mask: Tensor
+    advantages: Tensor  # [rows]
+    rows: Tensor  # [rows] indices into the step's samples
+    labels: Tensor | None = None  # CP: [rows, padded // cp] next-token ids of the held positions
+    position_ids: Tensor | None = None  # CP: [padded // cp] global positions of the held tokens
+    staleness: Tensor | None = None  # async rollouts: [rows] steps between each row's generating policy and this step
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The no-grad passes of one microbatch before the step's first update (last pipeline stage; None elsewhere).
+
+    old_logprobs: decoupled mode with `old_logprob_source=forward`: pi_old. ref_logprobs: with a KL penalty, the
+    reference policy's. check_old_logprobs: loglinear check steps: the forward's pi_old, to measure the
+    interpolation's error against.
+    """
+
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    check_old_logprobs: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MicrobatchPass:
+    """What one update's loss pass computed for one microbatch (last pipeline stage).
+
+    logprobs: the pass's logprobs, detached (the policy before this update). old_logprobs: loglinear mode's
+    interpolated pi_old of this update (None otherwise).
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor | None
+
+
+@dataclass(frozen=True)
+class Update:
+    """One optimizer update of a step: its loss plan, its reduced statistics, what the optimizer did, and per
+    microbatch what its loss pass computed (empty on stages other than the last)."""
+
+    plan: StepPlan
+    result: StepResult
+    applied: UpdateResult
+    passes: tuple[MicrobatchPass, ...] = ()
+
+
+def train_rows(num_samples: int, num_mini_batches: int, dp_size: int, dp_rank: int) -> Tensor:
+    """The rows data-parallel rank `dp_rank` trains: its contiguous slice of every mini-batch (`PolicyUpdate.cut`)."""
+    samples = torch.arange(num_samples)
+    parts = torch.tensor_split(samples, num_mini_batches)
+    return torch.cat([torch.tensor_split(part, dp_size)[dp_rank] for part in parts])
+
+
+class PolicyUpdate:
+    """The step's updates of `policy` (module docstring): loss, optimizer, microbatches, no-grad passes.
+
+    Args:
+        cfg: the run's config (`grpo.*`, `policy.*`, `rollout_correction`, `rollout.max_new_tokens`).
+        groups: this rank's parallel groups.
+        policy: the policy to train; reference: the initial policy for the KL penalty (None without one).
+        pad_id: the tokenizer's pad id (CP padding).
+    """
+
+    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, policy: MegatronPolicy,
+                 reference: MegatronPolicy | None, *, pad_id: int) -> None:
+        self.cfg, self.groups, self.policy, self.reference, self.pad_id = cfg, groups, policy, reference, pad_id
+        self.rc_cfg = cfg.rollout_correction
+        # seq-mean-token-sum-norm divides by a constant length: the response budget, identical for every
+        # microbatch and layout (the microbatch width would vary with the prompt and with CP padding).
+        self.loss_fn = RolloutCorrectedPolicyLoss(
+            self.rc_cfg,
+            PolicyLossConfig(
+                clip_ratio_low=cfg.grpo.clip_ratio_low,
+                clip_ratio_high=cfg.grpo.clip_ratio_high,
+                loss_agg_mode=cfg.grpo.loss_agg_mode,
+            ),
+            norm_length=float(cfg.rollout.max_new_tokens),
+        )
+        self.replay = replay_options(cfg)
+        # Megatron DDP + optimizer (fp32 main weights for bf16/fp16) + LR schedule: models/optimizer.py.
+        self.optim = build_policy_optimizer(policy.model, OptimizerSettings(
+            lr=cfg.policy.lr,
+            min_lr=cfg.policy.min_lr,
+            weight_decay=cfg.policy.weight_decay,
+            adam_beta1=cfg.policy.adam_beta1,
+            adam_beta2=cfg.policy.adam_beta2,
+            adam_eps=cfg.policy.adam_eps,
+            grad_clip=cfg.policy.grad_clip,
+            use_distributed_optimizer=cfg.policy.use_distributed_optimizer,
+            lr_warmup_steps=cfg.policy.lr_warmup_steps,
+            lr_decay_style=cfg.policy.lr_decay_style,
+            total_updates=cfg.total_optimizer_updates,
+        ))
+
+    @property
+    def strategy(self) -> DenominatorStrategy:
+        """Where each update's loss denominator comes from (`losses.step_plan.denominator_strategy`)."""
+        return denominator_strategy(self.rc_cfg, kl_penalty_on=self.reference is not None)
+
+    @property
+    def uses_loglinear(self) -> bool:
+        """Decoupled mode with `old_logprobs` interpolated in the loss pass instead of scored by a forward."""
+        return not self.rc_cfg.bypass_mode and self.rc_cfg.old_logprob_source == "loglinear"
+
+    # ---- the cut ----------------------------------------------------------------------------------------
+
+    def train_rows(self, num_samples: int, dp_rank: int) -> Tensor:
+        """The rows data-parallel rank `dp_rank` trains (`train_rows` with this run's mini-batches)."""
+        return train_rows(num_samples, self.cfg.grpo.num_mini_batches, self.groups.dp_size, dp_rank)
+
+    def cut(self, tensors: dict[str, Tensor], advantages: Tensor) -> list[list[Microbatch]]:
+        """The step's samples cut into `grpo.num_mini_batches` contiguous mini-batches, each as this dp rank's
+        microbatches (one mini-batch: exactly the single update of earlier versions). Starts the step's
+        routing replay (MoE: each microbatch's captured routing is attached as it is cut)."""
+        routing_replay.begin_step(self.policy)
+        samples = torch.arange(tensors["input_ids"].shape[0])
+        return [self._microbatches(tensors, advantages, part)
+                for part in torch.tensor_split(samples, self.cfg.grpo.num_mini_batches)]
+
+    def _microbatches(self, tensors: dict[str, Tensor], advantages: Tensor, samples: Tensor) -> list[Microbatch]:
+        """This dp rank's contiguous slice of `samples`, cut into microbatches trimmed to their longest row."""
+        rows = torch.tensor_split(samples, self.groups.dp_size)[self.groups.dp_rank]
+        size = self.cfg.policy.micro_batch_size
+        out = []
+        for start in range(0, len(rows), size):
+            idx = rows[start : start + size]
+            lengths = tensors["prompt_lengths"][idx] + tensors["response_lengths"][idx]
+            width = int(lengths.max())
+            input_ids = tensors["input_ids"][idx, :width]
+            rollout_logprobs = tensors["rollout_logprobs"][idx, : width - 1]
+            loss_mask = tensors["loss_mask"][idx, : width - 1]
+            labels = position_ids = None
+            if self.groups.cp_size > 1:  # this CP rank's tokens of every row
+                shard = shard_next_token_batch(
+                    input_ids,
+                    {"rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask},
+                    self.groups.cp_size,
+                    self.groups.cp_rank,
+                    pad_id=self.pad_id,
+                )
+                input_ids, labels, position_ids = shard.input_ids, shard.labels, shard.position_ids
+                rollout_logprobs, loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
+            routing_replay.attach_microbatch(self.policy, tensors, idx, input_ids, position_ids)
+            out.append(Microbatch(
+                input_ids=input_ids, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask,
+                advantages=advantages[idx], rows=idx, labels=labels, position_ids=position_ids,
+                staleness=tensors["staleness"][idx] if "staleness" in tensors else None,
+            ))
+        return out
+
+    # ---- the no-grad passes -------------------------------------------------------------------------------
+
+    def score(self, microbatches: list[Microbatch], step: int, timer: PhaseTimer) -> list[Scored]:
+        """The no-grad passes before step `step`'s (0-based) first update, per microbatch: `old_logprobs`
+        (`timing/old_logprob_s`) and the reference's (`timing/ref_logprob_s`)."""
+        self.policy.model.train()
+        with timer("old_logprob"):
+            old = self._score_old(microbatches, step)
+        with timer("ref_logprob"):
+            ref = self._score(self.reference, microbatches) if self.reference is not None else None
+        loglinear = self.uses_loglinear
+        out = []
+        for i in range(len(microbatches)):
+            forward = old[i] if old is not None and i < len(old) else None
+            out.append(Scored(old_logprobs=None if loglinear else forward,
+                              ref_logprobs=ref[i] if ref is not None and i < len(ref) else None,
+                              check_old_logprobs=forward if loglinear else None))
+        return out
+
+    def _score_old(self, microbatches: list[Microbatch], step: int) -> list[Tensor] | None:
+        """Decoupled mode: the policy's logprobs before the step's first update (last stage; None elsewhere).
+
+        With `old_logprob_source=loglinear` the pass runs only on the `loglinear_check_every` steps, where its
+        result is kept to measure the interpolation's error.
+        """
+        if self.rc_cfg.bypass_mode:
+            return None
+        if self.uses_loglinear:
+            every = self.rc_cfg.loglinear_check_every
+            if not (every and (step + 1) % every == 0):
+                return None
+        return self._score(self.policy, microbatches)
+
+    def _score(self, policy: MegatronPolicy, microbatches: list[Microbatch]) -> list[Tensor] | None:
+        """No-grad logprobs of every microbatch (last pipeline stage; None on the others)."""
+        labels = [mb.labels for mb in microbatches if mb.labels is not None]  # CP shares; empty without CP
+        positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
+        return score_microbatches(policy, [mb.input_ids for mb in microbatches], self.replay, labels=labels,
+                                  position_ids=positions)
+
+    # ---- one update -----------------------------------------------------------------------------------------
+
+    def update(self, microbatches: list[Microbatch], scored: Sequence[Scored], index: int,
+               timer: PhaseTimer) -> Update:
+        """The step's `index`-th optimizer update, on one mini-batch: plan, forward/backward, optimizer step,
+        finish (`timing/correction_s` and `timing/train_s`)."""
+        with timer("correction"):
+            plan = self.plan(microbatches, scored, index)
+        with timer("train"):
+            stats, passes = self.forward_backward(microbatches, scored, plan, index)
+            applied = self.optim.step()
+        with timer("correction"):
+            result = StepResult({}, {})
+            if self.policy.is_last_stage:
+                result = finish_step(plan, stats, self.rc_cfg, self.groups, agg_mode=self.loss_fn.agg_mode)
+            result = broadcast_from_last_stage(result, self.groups)
+        return Update(plan=plan, result=result, applied=applied, passes=passes)
+
+    def plan(self, microbatches: list[Microbatch], scored: Sequence[Scored], index: int) -> StepPlan:
+        """The update's loss plan (`losses.step_plan.plan_step`); the `prepass` strategy scores first.
+
+        Every stage joins the pre-pass schedule; only the last stage plans (the others get an empty plan).
+        """
+        current = self._score(self.policy, microbatches) if self.strategy == "prepass" else None
+        if not self.policy.is_last_stage:
+            return StepPlan(self.strategy, None, None, {})
+        reference: list[Tensor] | None = current
+        if current is not None and self.uses_loglinear:  # the pre-pass judges the interpolated pi_old
+            reference = [loglinear_old_logprobs(mb.rollout_logprobs, cur, self.loglinear_alpha(mb, index))
+                         for mb, cur in zip(microbatches, current, strict=True)]
+        if reference is None and not self.rc_cfg.bypass_mode:  # decoupled: the forward's pi_old
+            reference = [s.old_logprobs for s in scored if s.old_logprobs is not None]
+        return plan_step(self.loss_fn, self.strategy, [mb.rollout_logprobs for mb in microbatches],
+                         [mb.loss_mask for mb in microbatches], self.groups, reference_logprobs=reference,
+                         advantages=[mb.advantages for mb in microbatches],
+                         kl_coef=self.cfg.grpo.kl_coef, kl_estimator=self.cfg.grpo.kl_estimator)
+
+    def forward_backward(self, microbatches: list[Microbatch], scored: Sequence[Scored], plan: StepPlan,
+                         index: int) -> tuple[StepStats, tuple[MicrobatchPass, ...]]:
+        """Forward with gradient, loss and backward of every microbatch through Megatron's schedule on the
+        DDP model; the schedule ends with Megatron's `finalize_model_grads` (dp x cp reduction, tied
+        embeddings, the post-scaled division). Returns the pass's statistics (last stage) and per microbatch
+        what it computed (empty on other stages)."""
+        self.optim.zero_grad()
+        stats = StepStats()
+        passes: dict[int, MicrobatchPass] = {}
+
+        def loss_hook(i: int, logits: Tensor) -> tuple[Tensor, Tensor | None]:  # last stage
+            loss, count, passes[i] = self._microbatch_loss(microbatches[i], scored[i], plan, i, index, logits, stats)
+            return loss, count
+
+        positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
+        run_microbatches(self.optim.module, [mb.input_ids for mb in microbatches], loss_hook,
+                         forward_only=False, position_ids=positions or None)
+        return stats, tuple(passes[i] for i in sorted(passes))
+
+    def _microbatch_loss(self, mb: Microbatch, scored: Scored, plan: StepPlan, i: int, index: int, logits: Tensor,
+                         stats: StepStats) -> tuple[Tensor, Tensor | None, MicrobatchPass]:
+        """Microbatch `i`'s loss of update `index` from its logits (last stage); adds to the pass's `stats`."""
+        if mb.labels is None:  # next-token shift, or CP labels
+            logprobs = self.policy.logprobs_from_logits(logits, mb.input_ids, **self.replay)
+        else:
+            logprobs = self.policy.label_logprobs(logits, mb.labels, **self.replay)
+        old = scored.old_logprobs
+        if self.uses_loglinear:
+            old = self._loglinear_old_logprobs(mb, scored, logprobs, index, stats)
+        loss, count = microbatch_loss(plan, self.loss_fn, i, logprobs, mb.rollout_logprobs, mb.advantages,
+                                      mb.loss_mask, self.groups, stats, old_logprobs=old,
+                                      ref_logprobs=scored.ref_logprobs)
+        interpolated = old if self.uses_loglinear else None
+        return loss, count, MicrobatchPass(logprobs=logprobs.detach(), old_logprobs=interpolated)
+
+    def loglinear_alpha(self, mb: Microbatch, index: int) -> Tensor:
+        """AReaL's interpolation weight for the step's `index`-th update (`core.loglinear.loglinear_alpha`).
+
+        Versions count this step's optimizer updates. The step is synchronous: the engine sampled with the
+        weights pi_old has (v_b = v_old = 0), and the k-th update trains v_theta = k. So alpha = 1 for the first
+        update (pi_old is the current policy exactly) and 0 after it (pi_old falls back to the rollout policy).
+        With async rollouts (`mb.staleness` set) a row sampled d steps ago has v_b = -d x (updates per step), so
+        alpha = d U / (k + d U): still 1 for the first update, and between 0 and 1 after it.
+        """
+        if mb.staleness is None:
+            return loglinear_alpha(0, 0, index)
+        # Async: row r was sampled d_r steps ago, i.e. d_r x (updates per step) updates before pi_old.
+        per_step = self.cfg.grpo.num_mini_batches * self.cfg.grpo.ppo_epochs
+        behave = -(mb.staleness.to(torch.float64) * per_step)[:, None]  # [rows, 1]
+        return loglinear_alpha(behave, 0, index)
+
+    def _loglinear_old_logprobs(self, mb: Microbatch, scored: Scored, logprobs: Tensor, index: int,
+                                stats: StepStats) -> Tensor:
+        """`old_logprobs` `[rows, local_seq]` interpolated from the rollout and the loss pass's logprobs; on check
+        steps the error against the forward's pi_old is added to `stats` (summed over dp x cp by `finish_step`)."""
+        old = loglinear_old_logprobs(mb.rollout_logprobs, logprobs, self.loglinear_alpha(mb, index))
+        if scored.check_old_logprobs is not None:
+            partials = loglinear_error_partials(old, scored.check_old_logprobs, mb.loss_mask)
+            for key in ("abs_error_sum", "sq_error_sum", "num_tokens"):
+                stats.add(f"loglinear_{key}", float(partials[key]))
+        return old
