@@ -14,6 +14,7 @@ from typing import Any
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.tracking import MlflowTracker
 from nemo_rollout_correction.tracking.review import RewardHistory, SequenceReview, TokenReview, log_review_artifacts
+from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.observer import StepReview
 
 
@@ -42,8 +43,8 @@ class MlflowObserver:
     def on_step(self, step: int, metrics: dict[str, float], review: StepReview | None) -> None:
         """Log the step's metrics (buffered through outages) and, on review steps, plots and tables."""
         self.reward_steps.append(step)
-        self.reward_means.append(metrics["reward/mean"])
-        self.reward_stds.append(metrics.get("reward/std", 0.0))
+        self.reward_means.append(metrics[mn.REWARD_MEAN])
+        self.reward_stds.append(metrics[mn.REWARD_STD])
         self.tracker.log_metrics(metrics, step=step)
         if review is None:
             return

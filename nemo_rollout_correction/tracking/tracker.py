@@ -320,7 +320,7 @@ class SystemMetricsSampler:
 #     with tracker:                       # start(); on exit close("FINISHED"), or "FAILED" on an exception
 #         tracker.log_config(resolved_config_dict)
 #         for step in ...:
-#             tracker.log_metrics({"reward/mean": r, "loss/total": l}, step=step)
+#             tracker.log_metrics({"reward/mean": r, "loss/policy": l}, step=step)
 #         ckpt["mlflow_run_id"] = tracker.run_id
 #
 # Only `start()` talks to MLflow synchronously (so a wrong URI fails before training starts). Every

@@ -37,6 +37,7 @@ from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_sta
 from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer import routing_replay
 from nemo_rollout_correction.trainer.scoring import score_microbatches, sequence_log_ratios
 from nemo_rollout_correction.trainer.settings import (
@@ -214,26 +215,22 @@ def preset_effects(data: AuditData, presets: Sequence[str]) -> dict[str, dict[st
         worst = -torch.ones(data.loss_mask.shape[0], device=data.loss_mask.device)
         m = compute_rollout_correction(data.old_logprobs, data.rollout_logprobs, data.loss_mask, cfg,
                                        advantages=worst).metrics
-        truncated = (
-            (
-                m.get("rollout_corr/rollout_is_ratio_fraction_high", 0.0)
-                + m.get("rollout_corr/rollout_is_ratio_fraction_low", 0.0)
-            )
-            if cfg.rollout_is == "token"
-            else (
-                m.get("rollout_corr/rollout_is_seq_fraction_high", 0.0)
-                + m.get("rollout_corr/rollout_is_seq_fraction_low", 0.0)
-            )
-            if cfg.rollout_is is not None
-            else 0.0
-        )
-        valid_seqs = max(m.get("rollout_corr/num_valid_seqs", 0.0), 1.0)
+        if cfg.rollout_is == "token":
+            truncated = (mn.optional(m, mn.RC_IS_RATIO_FRACTION_HIGH, 0.0)
+                         + mn.optional(m, mn.RC_IS_RATIO_FRACTION_LOW, 0.0))
+        elif cfg.rollout_is is not None:
+            truncated = (mn.optional(m, mn.RC_IS_SEQ_FRACTION_HIGH, 0.0)
+                         + mn.optional(m, mn.RC_IS_SEQ_FRACTION_LOW, 0.0))
+        else:
+            truncated = 0.0
+        valid_seqs = max(float(m[mn.RC_NUM_VALID_SEQS]), 1.0)
         out[name] = {
             "truncated_fraction": float(truncated),
-            "rejected_fraction": float(m.get("rollout_corr/rollout_rs_masked_fraction", 0.0)),
-            "veto_fraction": float(m.get("rollout_corr/veto_fraction", 0.0)),
-            "kept_token_fraction": float(m["rollout_corr/kept_token_fraction"]),
-            "dropped_seq_fraction": 1.0 - float(m.get("rollout_corr/num_kept_seqs", valid_seqs)) / valid_seqs,
+            # absent when the preset has no rejection sampling / no veto: nothing rejected
+            "rejected_fraction": mn.optional(m, mn.RC_RS_MASKED_FRACTION, 0.0),
+            "veto_fraction": mn.optional(m, mn.RC_VETO_FRACTION, 0.0),
+            "kept_token_fraction": float(m[mn.RC_KEPT_TOKEN_FRACTION]),
+            "dropped_seq_fraction": 1.0 - float(m[mn.RC_NUM_KEPT_SEQS]) / valid_seqs,
         }
     return out
 
@@ -299,7 +296,7 @@ def format_report(report: AuditReport) -> str:
         if value is not None:
             lines.append(f"  {key:<20} {value: .4e}")
     if report.routing:
-        r, k3 = report.routing, report.metrics.get("rollout_corr/k3_kl", float("nan"))
+        r, k3 = report.routing, report.metrics[mn.RC_K3_KL]
         lines += ["", f"routing replay (R3): router agreement {r['router_agreement']:.4f} "
                       "(trainer's own expert set = the rollout's, per token and MoE layer)",
                   f"  {'':<16} {'max |diff|':>11} {'mean |diff|':>11} {'k3_kl':>11}",
@@ -324,7 +321,7 @@ def format_report(report: AuditReport) -> str:
     return "\n".join(lines)
 
 
-COMPARISON_METRICS = ("kl", "k3_kl")
+COMPARISON_METRICS = (mn.RC_KL, mn.RC_K3_KL)
 
 
 def format_comparison(reports: Sequence[AuditReport]) -> str:
@@ -334,10 +331,10 @@ def format_comparison(reports: Sequence[AuditReport]) -> str:
     (`rollout_corr/kl`, k1, may be slightly negative at fp32 noise; `rollout_corr/k3_kl`, non-negative).
     """
     header = (f"{'engine':<10} {'trainer':<10} {'lm_head_fp32':<13} {'max |diff|':>11} {'mean |diff|':>11} "
-              + " ".join(f"{k:>11}" for k in COMPARISON_METRICS) + f" {'tokens':>7}")
+              + " ".join(f"{k.removeprefix('rollout_corr/'):>11}" for k in COMPARISON_METRICS) + f" {'tokens':>7}")
     lines = ["== nrc audit: settings side by side ==", header]
     for r in reports:
-        values = " ".join(f"{r.metrics.get(f'rollout_corr/{k}', float('nan')):>11.3e}" for k in COMPARISON_METRICS)
+        values = " ".join(f"{r.metrics[k]:>11.3e}" for k in COMPARISON_METRICS)
         lines.append(f"{r.rollout_dtype:<10} {r.trainer_dtype:<10} {str(r.lm_head_fp32).lower():<13} "
                      f"{r.max_abs_logprob_diff:>11.3e} {r.mean_abs_logprob_diff:>11.3e} {values} {r.num_tokens:>7}")
     return "\n".join(lines)
@@ -445,8 +442,8 @@ def routing_report(policy: MegatronPolicy, replayed: AuditData, groups: Parallel
         "router_agreement": agreement.get(routing_replay.ROUTER_AGREEMENT, float("nan")),
         "max_abs_logprob_diff": max_diff,
         "mean_abs_logprob_diff": mean_diff,
-        "kl": float(metrics["rollout_corr/kl"]),
-        "k3_kl": float(metrics["rollout_corr/k3_kl"]),
+        "kl": float(metrics[mn.RC_KL]),
+        "k3_kl": float(metrics[mn.RC_K3_KL]),
     }
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nemo_rollout_correction.config.redaction import redact_text
+from nemo_rollout_correction.trainer import metric_names as mn
 
 __all__ = ["Console", "RunSummary", "StepProgress", "current", "set_current"]
 
@@ -170,14 +171,14 @@ def format_step(m: Mapping[str, float]) -> str:
     The mismatch is the k3 KL estimate (non-negative per token): the signed k1 `rollout_corr/kl` can print
     as a negative "kl" and read as no mismatch when it averages out.
     """
-    def get(key: str) -> float:
-        return float(m.get(key, math.nan))
+    def updated(key: str) -> float:  # present on steps with an update (not on a DAPO-skipped step)
+        return mn.optional(m, key, math.nan)
 
-    ess = get("rollout_corr/rollout_is_eff_sample_size")
-    return (f"reward {get('reward/mean'):.3f}  loss {get('loss/policy'):+.4f}  k3 kl {get('rollout_corr/k3_kl'):.2e}  "
-            f"kept {get('rollout_corr/kept_token_fraction'):.3f}  ess {ess:.3f}"
-            f"  len {get('response/length_mean'):.1f}  gen {get('timing/generation_s'):.1f}s  "
-            f"train {get('timing/train_s'):.1f}s")
+    ess = updated(mn.RC_IS_EFF_SAMPLE_SIZE)  # also absent without IS
+    return (f"reward {m[mn.REWARD_MEAN]:.3f}  loss {updated(mn.LOSS_POLICY):+.4f}  "
+            f"k3 kl {updated(mn.RC_K3_KL):.2e}  kept {updated(mn.RC_KEPT_TOKEN_FRACTION):.3f}  ess {ess:.3f}"
+            f"  len {m[mn.RESPONSE_LENGTH_MEAN]:.1f}  gen {m[mn.TIMING_GENERATION]:.1f}s  "
+            f"train {m[mn.TIMING_TRAIN]:.1f}s")
 
 
 @dataclass
@@ -207,11 +208,10 @@ class RunSummary:
             vals = [float(h[key]) for h in history if key in h and math.isfinite(float(h[key]))]
             return sum(vals) / len(vals) if vals else math.nan
 
-        first = float(history[0].get("reward/mean", math.nan)) if history else math.nan
-        last = float(history[-1].get("reward/mean", math.nan)) if history else math.nan
-        return cls(steps=len(history), reward_first=first, reward_last=last, kl_mean=mean("rollout_corr/kl"),
-                   k3_kl_mean=mean("rollout_corr/k3_kl"), kept_mean=mean("rollout_corr/kept_token_fraction"),
-                   **where)
+        first = float(history[0][mn.REWARD_MEAN]) if history else math.nan
+        last = float(history[-1][mn.REWARD_MEAN]) if history else math.nan
+        return cls(steps=len(history), reward_first=first, reward_last=last, kl_mean=mean(mn.RC_KL),
+                   k3_kl_mean=mean(mn.RC_K3_KL), kept_mean=mean(mn.RC_KEPT_TOKEN_FRACTION), **where)
 
     def lines(self) -> list[str]:
         """The summary as printed."""
@@ -225,9 +225,9 @@ class RunSummary:
         if self.last_eval is not None:
             step, m = self.last_eval
             passes = "".join(f", {k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(m.items())
-                             if k.startswith("eval/pass_at_"))
-            greedy = f", greedy reward {m['eval/greedy_reward_mean']:.3f}" if "eval/greedy_reward_mean" in m else ""
-            reward = m.get("eval/reward_mean", math.nan)
+                             if k.startswith(mn.EVAL_PASS_AT_PREFIX))
+            greedy = f", greedy reward {m[mn.EVAL_GREEDY_REWARD_MEAN]:.3f}" if mn.EVAL_GREEDY_REWARD_MEAN in m else ""
+            reward = m[mn.EVAL_REWARD_MEAN]
             out.append(f"  last eval       step {step}: reward {reward:.3f}{passes}{greedy}")
         out += [f"  run directory   {self.output_dir}", f"  checkpoints     {self.checkpoint_dir}"]
         if self.hf_export_dir:

@@ -30,6 +30,7 @@ import torch
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.pass_at_k import pass_at_k_mean
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
 from nemo_rollout_correction.trainer.rewards import score
 from nemo_rollout_correction.trainer.tasks import Task
@@ -97,11 +98,11 @@ class Evaluator:
                             num_samples=plan.sampling.n, success_threshold=plan.success_threshold)
         if plan.greedy:
             greedy, greedy_rewards = self._generate_and_score(engine, _greedy(plan.sampling))
-            metrics["eval/greedy_reward_mean"] = _mean(greedy_rewards)
-            metrics["eval/greedy_response_length_mean"] = _mean([float(len(s.token_ids)) for s in greedy.samples])
+            metrics[mn.EVAL_GREEDY_REWARD_MEAN] = _mean(greedy_rewards)
+            metrics[mn.EVAL_GREEDY_RESPONSE_LENGTH_MEAN] = _mean([float(len(s.token_ids)) for s in greedy.samples])
             if plan.success_threshold is not None:
-                metrics["eval/greedy_accuracy"] = _mean([float(r >= plan.success_threshold) for r in greedy_rewards])
-        metrics["eval/seconds"] = time.perf_counter() - start
+                metrics[mn.EVAL_GREEDY_ACCURACY] = _mean([float(r >= plan.success_threshold) for r in greedy_rewards])
+        metrics[mn.EVAL_SECONDS] = time.perf_counter() - start
         return metrics
 
 
@@ -116,9 +117,9 @@ def summarize(rewards: Sequence[float], lengths: Sequence[int], truncated: Seque
         raise ValueError(f"{len(rewards)} rewards for {num_prompts} prompts x {num_samples} samples")
     reward_t = torch.tensor(list(rewards), dtype=torch.float64)
     metrics = {
-        "eval/reward_mean": float(reward_t.mean()),
+        mn.EVAL_REWARD_MEAN: float(reward_t.mean()),
         "eval/reward_std": float(reward_t.std()) if reward_t.numel() > 1 else 0.0,
-        "eval/response_length_mean": _mean([float(n) for n in lengths]),
+        mn.EVAL_RESPONSE_LENGTH_MEAN: _mean([float(n) for n in lengths]),
         "eval/truncated_fraction": _mean([float(t) for t in truncated]),
         "eval/num_prompts": float(num_prompts),
     }
@@ -159,13 +160,13 @@ def evaluates_after(cfg: TrainConfig, step: int) -> bool:
 
 def format_eval(metrics: dict[str, float]) -> str:
     """One progress line of an evaluation."""
-    parts = [f"reward {metrics['eval/reward_mean']:.3f}"]
+    parts = [f"reward {metrics[mn.EVAL_REWARD_MEAN]:.3f}"]
     parts += [f"{key.removeprefix('eval/')} {value:.3f}" for key, value in sorted(metrics.items())
-              if key.startswith("eval/pass_at_")]
-    if "eval/greedy_reward_mean" in metrics:
-        parts.append(f"greedy reward {metrics['eval/greedy_reward_mean']:.3f}")
-    parts.append(f"len {metrics['eval/response_length_mean']:.1f}")
-    parts.append(f"{metrics['eval/seconds']:.1f}s")
+              if key.startswith(mn.EVAL_PASS_AT_PREFIX)]
+    if mn.EVAL_GREEDY_REWARD_MEAN in metrics:
+        parts.append(f"greedy reward {metrics[mn.EVAL_GREEDY_REWARD_MEAN]:.3f}")
+    parts.append(f"len {metrics[mn.EVAL_RESPONSE_LENGTH_MEAN]:.1f}")
+    parts.append(f"{metrics[mn.EVAL_SECONDS]:.1f}s")
     return "  ".join(parts)
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from nemo_rollout_correction.config.redaction import REDACTED
 from nemo_rollout_correction.trainer.console import Console, RunSummary, StepProgress
 
@@ -37,15 +39,30 @@ def test_capture_sends_child_and_own_output_to_the_log_redacted(tmp_path: Path) 
     assert "after close" not in log.read_text()
 
 
+# keys every step emits besides reward/mean (trainer/metric_names.py), as the step line reads them
+_EVERY_STEP = {"response/length_mean": 12.0, "timing/generation_s": 1.5, "timing/train_s": 2.5}
+
+
 def test_step_line_has_the_headline_and_eta() -> None:
     out = io.StringIO()
     progress = StepProgress(total=4, start=0, console=Console(stream=out))
     progress.update(1, {"reward/mean": -0.5, "rollout_corr/kl": -3e-3, "rollout_corr/k3_kl": 2e-3,
-                        "rollout_corr/kept_token_fraction": 1.0})
+                        "rollout_corr/kept_token_fraction": 1.0, **_EVERY_STEP})
     line = out.getvalue()
     assert line.startswith("step 1/4  reward -0.500") and "k3 kl 2.00e-03" in line and "eta " in line
     assert "-3.00e-03" not in line  # the signed k1 estimate is not the headline
     assert progress.eta_seconds(1) >= 0
+
+
+def test_step_line_refuses_a_step_without_its_always_emitted_keys() -> None:
+    # Keys every step emits are read without a default: a renamed or missing key raises instead of printing 0.
+    progress = StepProgress(total=4, start=0, console=Console(stream=io.StringIO()))
+    with pytest.raises(KeyError, match="response/length_mean"):
+        progress.update(1, {"reward/mean": -0.5, "timing/generation_s": 1.0, "timing/train_s": 2.0})
+    # A DAPO-skipped step has no loss or rollout_corr/* keys: they print as nan.
+    out = io.StringIO()
+    StepProgress(total=4, start=0, console=Console(stream=out)).update(1, {"reward/mean": 0.0, **_EVERY_STEP})
+    assert "loss +nan" in out.getvalue() and "k3 kl nan" in out.getvalue()
 
 
 def test_summary_names_reward_trend_mismatch_and_where_things_are() -> None:
