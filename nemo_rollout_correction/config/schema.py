@@ -15,12 +15,15 @@ from __future__ import annotations
 import difflib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from nemo_rollout_correction.core.aggregation import LossAggMode
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
+from nemo_rollout_correction.core.dapo import DapoConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
+from nemo_rollout_correction.models.optimizer import PolicyOptimizerConfig
 from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
 from nemo_rollout_correction.rollout.placement import ROLLOUT_PLACEMENTS, RolloutPlacement
 from nemo_rollout_correction.rollout.vllm_engine import ROLLOUT_DTYPES, RolloutDtype
@@ -45,7 +48,6 @@ __all__ = [
 ]
 
 PolicyDtype = Literal["float32", "bfloat16", "float16"]
-LrDecayStyle = Literal["constant", "linear", "cosine"]
 TaskName = Literal["arithmetic", "length_target", "dataset"]
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 LauncherName = Literal["local", "slurm"]
@@ -74,6 +76,17 @@ def _f(default: Any, help: str) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def _component_checks(check: Callable[[], None]) -> None:
+    """Run a component config's own checks (`__post_init__` of the class a section extends); its ValueError,
+    which names the dotted key, becomes a ConfigError."""
+    try:
+        check()
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _fail(key: str, value: object, allowed: str) -> None:
@@ -144,41 +157,23 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    """The trained policy: Megatron-Core model parallelism, micro-batching and the optimizer."""
+class PolicyConfig(PolicyOptimizerConfig):
+    """The trained policy: Megatron-Core model parallelism, micro-batching and the optimizer.
+
+    The optimizer and LR schedule keys (`lr` ... `min_lr`) are `models.optimizer.PolicyOptimizerConfig`'s.
+    """
 
     tensor_parallel_size: int = _f(1, "Megatron tensor-parallel size (TP).")
     pipeline_parallel_size: int = _f(1, "Megatron pipeline-parallel size (PP).")
     context_parallel_size: int = _f(1, "Megatron context-parallel size (CP).")
     micro_batch_size: int = _f(8, "Sequences per microbatch on one data-parallel rank.")
-    lr: float = _f(3e-5, "Adam learning rate.")
-    weight_decay: float = _f(0.0, "Decoupled Adam weight decay (Megatron: not on biases and norm weights).")
-    adam_beta1: float = _f(0.9, "Adam beta1.")
-    adam_beta2: float = _f(0.999, "Adam beta2.")
-    adam_eps: float = _f(1e-8, "Adam epsilon.")
-    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
-    # Megatron-Core optimizer and LR schedule (models/optimizer.py).
-    use_distributed_optimizer: bool = _f(False, "Shard fp32 main weights and Adam state over data parallelism "
-                                         "(Megatron's distributed optimizer, ZeRO-1).")
-    lr_warmup_steps: int = _f(0, "Optimizer updates of linear LR warmup from 0 to policy.lr.")
-    lr_decay_style: LrDecayStyle = _f("constant", "LR after warmup: constant, or linear/cosine decay to "
-                                      "policy.min_lr over the run's optimizer updates.")
-    min_lr: float = _f(0.0, "Learning rate at the end of a linear or cosine decay.")
     # ---- precision knobs (issue 14) ----
     lm_head_fp32: bool = _f(False, "Compute the output layer and logprobs in fp32 under a bf16 policy (no-op in fp32).")
 
     def __post_init__(self) -> None:
-        _at_least("policy.lr_warmup_steps", self.lr_warmup_steps, 0)
-        if not 0.0 <= self.min_lr <= self.lr:
-            _fail("policy.min_lr", self.min_lr, f"must be in [0, policy.lr={self.lr:g}]")
+        _component_checks(super().__post_init__)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "micro_batch_size"):
             _at_least(f"policy.{name}", getattr(self, name), 1)
-        _positive("policy.lr", self.lr)
-        _at_least("policy.weight_decay", self.weight_decay, 0.0)
-        _in_range("policy.adam_beta1", self.adam_beta1, 0.0, 1.0, high_open=True)
-        _in_range("policy.adam_beta2", self.adam_beta2, 0.0, 1.0, high_open=True)
-        _positive("policy.adam_eps", self.adam_eps)
-        _at_least("policy.grad_clip", self.grad_clip, 0.0)
 
     @property
     def model_parallel_size(self) -> int:
@@ -289,8 +284,12 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
-    """The GRPO objective: advantages, PPO clipping, aggregation and the KL penalty."""
+class GRPOConfig(DapoConfig):
+    """The GRPO objective: advantages, PPO clipping, aggregation and the KL penalty.
+
+    DAPO's dynamic sampling and overlong keys (`dynamic_sampling` ... `overlong_penalty_factor`) are
+    `core.dapo.DapoConfig`'s.
+    """
 
     normalize_advantages_by_std: bool = _f(True, "Divide group-centred rewards by the group std (Dr.GRPO: false).")
     clip_ratio_low: float = _f(0.2, "PPO clip: ratio lower bound is 1 - clip_ratio_low.")
@@ -302,31 +301,13 @@ class GRPOConfig:
     # Updates per rollout batch (verl's ppo_mini_batch_size / ppo_epochs).
     num_mini_batches: int = _f(1, "Optimizer updates per pass over a step's rollouts (each on an equal share).")
     ppo_epochs: int = _f(1, "Passes over a step's rollouts; old_logprobs stay those of the policy before the first.")
-    # -- DAPO: dynamic sampling and overlong handling (core/dapo.py, trainer/dynamic_sampling.py) --
-    dynamic_sampling: bool = _f(False, "Drop prompt groups whose rewards are all equal (no advantage) and refill "
-                                "the batch from further prompts (DAPO; docs/training.md).")
-    max_refill_batches: int = _f(2, "dynamic_sampling: extra prompt batches a step may generate to refill; then "
-                                 "zero-variance groups fill the rest (all zero-variance: the update is skipped).")
-    overlong_filter: bool = _f(False, "Remove truncated responses (finish_reason=length) from the loss (DAPO "
-                               "overlong filtering; docs/training.md).")
-    overlong_penalty: bool = _f(False, "Add DAPO's soft overlong penalty to the reward: 0 up to rollout.max_new_tokens "
-                                "- overlong_buffer_len tokens, then linear down to -overlong_penalty_factor "
-                                "(docs/training.md).")
-    overlong_buffer_len: int = _f(16, "overlong_penalty: length of the soft-penalty region in tokens "
-                                  "(<= rollout.max_new_tokens).")
-    overlong_penalty_factor: float = _f(1.0, "overlong_penalty: the penalty at rollout.max_new_tokens tokens "
-                                        "(DAPO: 1.0).")
-
     def __post_init__(self) -> None:
         _at_least("grpo.num_mini_batches", self.num_mini_batches, 1)
         _at_least("grpo.ppo_epochs", self.ppo_epochs, 1)
         _in_range("grpo.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0, high_open=True)
         _at_least("grpo.clip_ratio_high", self.clip_ratio_high, 0.0)
         _at_least("grpo.kl_coef", self.kl_coef, 0.0)
-        _at_least("grpo.max_refill_batches", self.max_refill_batches, 0)
-        _at_least("grpo.overlong_buffer_len", self.overlong_buffer_len, 1)
-        if not (math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0):
-            _fail("grpo.overlong_penalty_factor", self.overlong_penalty_factor, "must be a finite number >= 0")
+        _component_checks(super().__post_init__)
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,49 @@ every rank.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["overlong_filter_mask", "overlong_penalty", "zero_variance_groups"]
+__all__ = ["DapoConfig", "overlong_filter_mask", "overlong_penalty", "zero_variance_groups"]
+
+
+def _key(default: Any, help: str) -> Any:
+    """A field with its default and its one-line help (docs/configuration.md is generated from it)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class DapoConfig:
+    """DAPO's keys of the `grpo` section, each written once, here: the config schema's `GRPOConfig` extends this
+    class, the trainer's dynamic sampling (trainer/dynamic_sampling.py) reads it. Checked on construction; an
+    error names the `grpo.<key>`."""
+
+    dynamic_sampling: bool = _key(False, "Drop prompt groups whose rewards are all equal (no advantage) and refill "
+                                  "the batch from further prompts (DAPO; docs/training.md).")
+    max_refill_batches: int = _key(2, "dynamic_sampling: extra prompt batches a step may generate to refill; then "
+                                   "zero-variance groups fill the rest (all zero-variance: the update is skipped).")
+    overlong_filter: bool = _key(False, "Remove truncated responses (finish_reason=length) from the loss (DAPO "
+                                 "overlong filtering; docs/training.md).")
+    overlong_penalty: bool = _key(False, "Add DAPO's soft overlong penalty to the reward: 0 up to "
+                                  "rollout.max_new_tokens - overlong_buffer_len tokens, then linear down to "
+                                  "-overlong_penalty_factor (docs/training.md).")
+    overlong_buffer_len: int = _key(16, "overlong_penalty: length of the soft-penalty region in tokens "
+                                    "(<= rollout.max_new_tokens).")
+    overlong_penalty_factor: float = _key(1.0, "overlong_penalty: the penalty at rollout.max_new_tokens tokens "
+                                          "(DAPO: 1.0).")
+
+    def __post_init__(self) -> None:
+        if not self.max_refill_batches >= 0:
+            raise ValueError(f"grpo.max_refill_batches={self.max_refill_batches!r} is not allowed: must be >= 0")
+        if not self.overlong_buffer_len >= 1:
+            raise ValueError(f"grpo.overlong_buffer_len={self.overlong_buffer_len!r} is not allowed: must be >= 1")
+        if not (math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0):
+            raise ValueError(f"grpo.overlong_penalty_factor={self.overlong_penalty_factor!r} is not allowed: "
+                             "must be a finite number >= 0")
 
 
 def zero_variance_groups(rewards: Tensor, group_size: int) -> Tensor:

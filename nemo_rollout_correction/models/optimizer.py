@@ -31,8 +31,9 @@ GPU these are the plain library calls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -45,33 +46,78 @@ from nemo_rollout_correction.models.cpu_training import (
 )
 
 LrDecayStyle = Literal["constant", "linear", "cosine"]
-LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine")
+"""`policy.lr_decay_style`: the LR after warmup (Megatron's `OptimizerParamScheduler` styles we expose)."""
+LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
+
+
+# ruff: noqa: RUF009  (`_key` returns dataclasses.field(...); ruff cannot see that and flags Literal-typed defaults)
+def _key(default: Any, help: str) -> Any:
+    """A field with its default and its one-line help (docs/configuration.md is generated from it)."""
+    return field(default=default, metadata={"help": help})
+
+
+def _refuse(key: str, value: object, allowed: str) -> None:
+    raise ValueError(f"policy.{key}={value!r} is not allowed: {allowed}")
 
 
 @dataclass(frozen=True)
-class OptimizerSettings:
-    """What the policy optimizer needs (built by the trainer from `policy.*`).
+class PolicyOptimizerConfig:
+    """The optimizer and LR schedule keys of `policy.*`: each written once, here; the config schema's
+    `PolicyConfig` extends this class (Megatron's pattern: a component owns its config, the top config
+    composes them). Checked on construction; an error names the `policy.<key>`."""
+
+    lr: float = _key(3e-5, "Adam learning rate.")
+    weight_decay: float = _key(0.0, "Decoupled Adam weight decay (Megatron: not on biases and norm weights).")
+    adam_beta1: float = _key(0.9, "Adam beta1.")
+    adam_beta2: float = _key(0.999, "Adam beta2.")
+    adam_eps: float = _key(1e-8, "Adam epsilon.")
+    grad_clip: float = _key(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    use_distributed_optimizer: bool = _key(False, "Shard fp32 main weights and Adam state over data parallelism "
+                                           "(Megatron's distributed optimizer, ZeRO-1).")
+    lr_warmup_steps: int = _key(0, "Optimizer updates of linear LR warmup from 0 to policy.lr.")
+    lr_decay_style: LrDecayStyle = _key("constant", "LR after warmup: constant, or linear/cosine decay to "
+                                        "policy.min_lr over the run's optimizer updates.")
+    min_lr: float = _key(0.0, "Learning rate at the end of a linear or cosine decay.")
+
+    def __post_init__(self) -> None:
+        if not self.lr_warmup_steps >= 0:
+            _refuse("lr_warmup_steps", self.lr_warmup_steps, "must be >= 0")
+        if not 0.0 <= self.min_lr <= self.lr:
+            _refuse("min_lr", self.min_lr, f"must be in [0, policy.lr={self.lr:g}]")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            _refuse("lr", self.lr, "must be a finite number > 0")
+        if not self.weight_decay >= 0.0:
+            _refuse("weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _refuse(name, getattr(self, name), "must be in [0, 1)")
+        if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):
+            _refuse("adam_eps", self.adam_eps, "must be a finite number > 0")
+        if not self.grad_clip >= 0.0:
+            _refuse("grad_clip", self.grad_clip, "must be >= 0")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            _refuse("lr_decay_style", self.lr_decay_style, f"allowed: {', '.join(LR_DECAY_STYLES)}")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings(PolicyOptimizerConfig):
+    """What the policy optimizer needs: the `policy.*` optimizer keys (`PolicyOptimizerConfig`) and what the run adds.
 
     total_updates: optimizer updates of the whole run (run.num_steps x num_mini_batches x ppo_epochs):
     the LR decays over them.
     """
 
-    lr: float
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    use_distributed_optimizer: bool = False
-    lr_warmup_steps: int = 0
-    lr_decay_style: LrDecayStyle = "constant"
     total_updates: int = 1
     initial_loss_scale: float = 2.0**16
     fused_cpu_adam: bool = True
     """On CPU with the regular optimizer, Adam runs torch's fused kernel (`models.cpu_training`, item 3); False
     keeps Megatron's single-tensor loop, the one the distributed optimizer always uses (tests compare the two
     optimizers with the same Adam arithmetic). Ignored with CUDA and with the distributed optimizer."""
+
+    @classmethod
+    def from_config(cls, config: PolicyOptimizerConfig, **run: Any) -> OptimizerSettings:
+        """The settings of `config` (the run's `policy` section) with what the run adds (`total_updates=...`)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(PolicyOptimizerConfig)}, **run)
 
 
 @dataclass(frozen=True)
@@ -106,10 +152,7 @@ class PolicyOptimizer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        if settings.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style {settings.lr_decay_style!r} is not supported; allowed: "
-                             f"{', '.join(LR_DECAY_STYLES)}")
-        self.settings = settings
+        self.settings = settings  # checked on construction (PolicyOptimizerConfig.__post_init__)
         dtype = _param_dtype(model)
         config: Any = model.config
         # Read by DDP at construction (sum over DP instead of averaging) and by the schedule; the loss
@@ -288,5 +331,5 @@ def build_policy_optimizer(model: nn.Module, settings: OptimizerSettings) -> Pol
     return PolicyOptimizer(model, settings)
 
 
-__all__ = ["LR_DECAY_STYLES", "LrDecayStyle", "OptimizerSettings", "PolicyOptimizer", "UpdateResult",
-           "build_policy_optimizer"]
+__all__ = ["LR_DECAY_STYLES", "LrDecayStyle", "OptimizerSettings", "PolicyOptimizer", "PolicyOptimizerConfig",
+           "UpdateResult", "build_policy_optimizer"]

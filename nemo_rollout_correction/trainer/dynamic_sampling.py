@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from nemo_rollout_correction.config.schema import TrainConfig
-from nemo_rollout_correction.core.dapo import overlong_filter_mask, overlong_penalty, zero_variance_groups
+from nemo_rollout_correction.core.dapo import DapoConfig, overlong_filter_mask, overlong_penalty, zero_variance_groups
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.data import PromptRecord
 
@@ -57,30 +57,17 @@ class PromptSource(Protocol):
 
 
 @dataclass(frozen=True)
-class DapoOptions:
-    """The ``grpo.*`` DAPO settings the step needs (see config/schema.py for each key)."""
+class DapoOptions(DapoConfig):
+    """What the step needs: the ``grpo.*`` DAPO keys (:class:`~nemo_rollout_correction.core.dapo.DapoConfig`,
+    where each key is defined) and the response budget ``rollout.max_new_tokens``."""
 
-    dynamic_sampling: bool = False
-    max_refill_batches: int = 2
-    overlong_filter: bool = False
-    overlong_penalty: bool = False
-    overlong_buffer_len: int = 16
-    overlong_penalty_factor: float = 1.0
     max_new_tokens: int = 48
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> DapoOptions:
         """The ``grpo.*`` DAPO keys and ``rollout.max_new_tokens`` of ``cfg``."""
-        g = cfg.grpo
-        return cls(
-            dynamic_sampling=g.dynamic_sampling,
-            max_refill_batches=g.max_refill_batches,
-            overlong_filter=g.overlong_filter,
-            overlong_penalty=g.overlong_penalty,
-            overlong_buffer_len=g.overlong_buffer_len,
-            overlong_penalty_factor=g.overlong_penalty_factor,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-        )
+        dapo = {f.name: getattr(cfg.grpo, f.name) for f in dataclasses.fields(DapoConfig)}
+        return cls(**dapo, max_new_tokens=cfg.rollout.max_new_tokens)
 
 
 @dataclass

@@ -145,19 +145,8 @@ class PolicyUpdate:
         )
         self.replay = replay_options(cfg)
         # Megatron DDP + optimizer (fp32 main weights for bf16/fp16) + LR schedule: models/optimizer.py.
-        self.optim = build_policy_optimizer(policy.model, OptimizerSettings(
-            lr=cfg.policy.lr,
-            min_lr=cfg.policy.min_lr,
-            weight_decay=cfg.policy.weight_decay,
-            adam_beta1=cfg.policy.adam_beta1,
-            adam_beta2=cfg.policy.adam_beta2,
-            adam_eps=cfg.policy.adam_eps,
-            grad_clip=cfg.policy.grad_clip,
-            use_distributed_optimizer=cfg.policy.use_distributed_optimizer,
-            lr_warmup_steps=cfg.policy.lr_warmup_steps,
-            lr_decay_style=cfg.policy.lr_decay_style,
-            total_updates=cfg.total_optimizer_updates,
-        ))
+        self.optim = build_policy_optimizer(
+            policy.model, OptimizerSettings.from_config(cfg.policy, total_updates=cfg.total_optimizer_updates))
 
     @property
     def strategy(self) -> DenominatorStrategy:
