@@ -15,15 +15,19 @@ verl's spellings are accepted as aliases: ``kl`` -> k1, ``mse`` -> k2, ``low_var
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 __all__ = ["KL_ESTIMATORS", "KL_ESTIMATOR_ALIASES", "KLEstimator", "kl_penalty"]
 
-KLEstimator = Literal["k1", "abs", "k2", "k3", "k1+", "k3+", "kl", "mse", "low_var_kl"]
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "k1+", "k3+")
+KLEstimatorName = Literal["k1", "abs", "k2", "k3", "k1+", "k3+"]
+KLEstimatorAlias = Literal["kl", "mse", "low_var_kl"]
+"""verl's spellings, resolved by `KL_ESTIMATOR_ALIASES`."""
+KLEstimator = Literal[KLEstimatorName, KLEstimatorAlias]
+"""`grpo.kl_estimator`: an estimator or one of verl's aliases."""
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimatorName)
 KL_ESTIMATOR_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 # Same cap as the IS log-ratios (DESIGN decision 3): exp(20) is large but finite in fp32.
