@@ -31,7 +31,7 @@ from torch import Tensor
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import compute_rollout_correction
-from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens, shard_next_token_batch
+from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
 from nemo_rollout_correction.distributed.runtime import Runtime
@@ -39,6 +39,7 @@ from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
 from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer import routing_replay
+from nemo_rollout_correction.trainer.policy_update import shard_tokens
 from nemo_rollout_correction.trainer.scoring import score_microbatches, sequence_log_ratios
 from nemo_rollout_correction.trainer.settings import (
     broadcast_rollouts,
@@ -147,25 +148,21 @@ def rescore(
     tensors = batch.to_tensors(pad_token_id)
     start = time.perf_counter()
     ids = tensors["input_ids"]
-    starts = range(0, ids.shape[0], micro_batch_size)
-    chunks = [ids[lo : lo + micro_batch_size] for lo in starts]
+    # Microbatches of whole rows (not trimmed: the pieces are concatenated back), each cut into this CP rank's
+    # share as the trainer cuts its own (`policy_update.shard_tokens`).
+    num = ids.shape[0]
+    rows = [torch.arange(lo, min(lo + micro_batch_size, num)) for lo in range(0, num, micro_batch_size)]
+    shards = [shard_tokens(ids[r], {}, groups, pad_id=pad_token_id) for r in rows]
     if policy.routing is not None:
         routing_replay.begin_step(policy)
-    if groups.cp_size == 1:
-        if replay_routing:
-            for lo, chunk in zip(starts, chunks, strict=True):
-                routing_replay.attach_microbatch(policy, tensors, torch.arange(lo, lo + len(chunk)), chunk, None)
-        scored = score_microbatches(policy, chunks, replay)
-    else:
-        shards = [shard_next_token_batch(c, {}, groups.cp_size, groups.cp_rank, pad_id=pad_token_id) for c in chunks]
-        if replay_routing:
-            for lo, shard in zip(starts, shards, strict=True):
-                routing_replay.attach_microbatch(policy, tensors, torch.arange(lo, lo + len(shard.input_ids)),
-                                                 shard.input_ids, shard.position_ids)
-        scored = score_microbatches(policy, [s.input_ids for s in shards], replay, labels=[s.labels for s in shards],
-                                    position_ids=[s.position_ids for s in shards])
-        if scored is not None:  # whole sequences back from every CP rank's share
-            scored = [gather_cp_tokens(x, groups)[:, : ids.shape[1] - 1] for x in scored]
+    if replay_routing:
+        for r, shard in zip(rows, shards, strict=True):
+            routing_replay.attach_microbatch(policy, tensors, r, shard.input_ids, shard.position_ids)
+    scored = score_microbatches(policy, [s.input_ids for s in shards], replay,
+                                labels=[s.labels for s in shards if s.labels is not None],
+                                position_ids=[s.position_ids for s in shards if s.position_ids is not None])
+    if scored is not None and groups.cp_size > 1:  # whole sequences back from every CP rank's share
+        scored = [gather_cp_tokens(x, groups)[:, : ids.shape[1] - 1] for x in scored]
     pieces = broadcast_from_last_stage(scored, groups)
     old = torch.cat(pieces) if pieces else torch.zeros_like(tensors["rollout_logprobs"])
     return AuditData(

@@ -50,7 +50,17 @@ from nemo_rollout_correction.trainer import routing_replay
 from nemo_rollout_correction.trainer.scoring import score_microbatches
 from nemo_rollout_correction.trainer.settings import replay_options
 
-__all__ = ["Microbatch", "MicrobatchPass", "PhaseTimer", "PolicyUpdate", "Scored", "Update", "train_rows"]
+__all__ = [
+    "Microbatch",
+    "MicrobatchPass",
+    "PhaseTimer",
+    "PolicyUpdate",
+    "Scored",
+    "TokenShard",
+    "Update",
+    "shard_tokens",
+    "train_rows",
+]
 
 PhaseTimer = Callable[[str], AbstractContextManager[None]]
 """`timer(phase)`: a context manager adding the seconds inside to the step's `timing/<phase>_s`."""
@@ -109,6 +119,29 @@ class Update:
     result: StepResult
     applied: UpdateResult
     passes: tuple[MicrobatchPass, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenShard:
+    """This CP rank's share of a microbatch (`shard_tokens`): `input_ids` `[rows, padded // cp]`, and with
+    context parallelism `labels` (next-token ids of the held positions) and `position_ids` `[padded // cp]`;
+    `tokens` the per-token tensors cut the same way (`[rows, padded // cp]`)."""
+
+    input_ids: Tensor
+    labels: Tensor | None
+    position_ids: Tensor | None
+    tokens: dict[str, Tensor]
+
+
+def shard_tokens(input_ids: Tensor, tokens: dict[str, Tensor], groups: ParallelGroups, *, pad_id: int) -> TokenShard:
+    """This CP rank's tokens of every row of a microbatch (`distributed.context_parallel.shard_next_token_batch`:
+    Megatron's load-balanced layout, next-token labels cut from the full sequence first); the microbatch as it is
+    without context parallelism. Shared by the trainer's microbatches and the audit's re-scoring, so both cut
+    the same way."""
+    if groups.cp_size == 1:
+        return TokenShard(input_ids, None, None, tokens)
+    shard = shard_next_token_batch(input_ids, tokens, groups.cp_size, groups.cp_rank, pad_id=pad_id)
+    return TokenShard(shard.input_ids, shard.labels, shard.position_ids, dict(shard.tokens))
 
 
 def train_rows(num_samples: int, num_mini_batches: int, dp_size: int, dp_rank: int) -> Tensor:
@@ -185,17 +218,10 @@ class PolicyUpdate:
             input_ids = tensors["input_ids"][idx, :width]
             rollout_logprobs = tensors["rollout_logprobs"][idx, : width - 1]
             loss_mask = tensors["loss_mask"][idx, : width - 1]
-            labels = position_ids = None
-            if self.groups.cp_size > 1:  # this CP rank's tokens of every row
-                shard = shard_next_token_batch(
-                    input_ids,
-                    {"rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask},
-                    self.groups.cp_size,
-                    self.groups.cp_rank,
-                    pad_id=self.pad_id,
-                )
-                input_ids, labels, position_ids = shard.input_ids, shard.labels, shard.position_ids
-                rollout_logprobs, loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
+            shard = shard_tokens(input_ids, {"rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask},
+                                 self.groups, pad_id=self.pad_id)  # this CP rank's tokens of every row
+            input_ids, labels, position_ids = shard.input_ids, shard.labels, shard.position_ids
+            rollout_logprobs, loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
             routing_replay.attach_microbatch(self.policy, tensors, idx, input_ids, position_ids)
             out.append(Microbatch(
                 input_ids=input_ids, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask,
