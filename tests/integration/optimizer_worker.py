@@ -5,7 +5,7 @@ Every worker builds the policy with `MegatronPolicy.from_hf`, wraps it with `mod
 does: `old_logprobs` scored before the first update, a decoupled `losses.step_plan` plan per mini-batch
 (global denominators over dp), the loss pass through Megatron's schedule on the DDP model (which ends in
 `finalize_model_grads`), then the optimizer step. The batch is seeded and identical on every rank; each dp
-rank takes its contiguous share of every mini-batch, as `GrpoTrainer._mini_batches` does.
+rank takes its contiguous share of every mini-batch, as `PolicyUpdate.cut` (trainer/policy_update.py) does.
 """
 
 from __future__ import annotations
