@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from nemo_rollout_correction.config import ConfigError, load_config
-from nemo_rollout_correction.rollout.placement import prompt_shard, resolve_placement, shard_request_seed
+from nemo_rollout_correction.rollout.placement import (
+    STEP_SEED_STRIDE,
+    check_seed_budget,
+    prompt_shard,
+    request_seed,
+    resolve_placement,
+    shard_request_seed,
+)
 
 
 @pytest.mark.parametrize("num_prompts", [0, 1, 3, 4, 7, 16])
@@ -29,6 +36,21 @@ def test_every_sample_gets_the_seed_of_one_engine(num_prompts: int, num_engines:
         seed = shard_request_seed(call_seed, shard.start, n)
         sharded += [seed + local * n + j for local in range(len(shard)) for j in range(n)]
     assert sharded == one_engine
+
+
+def test_request_seeds_of_steps_and_refills_never_overlap() -> None:
+    # 3 prompts x 2 samples per call: a refill (attempt k) starts where the seeds of attempt k - 1 end, the next
+    # step STEP_SEED_STRIDE later; every sample seed of a step's calls is distinct from every other step's.
+    prompts, n = 3, 2
+    assert request_seed(7, 0, 0, prompts, n) == 7
+    assert request_seed(7, 0, 1, prompts, n) == 7 + prompts * n
+    assert request_seed(7, 2, 0, prompts, n) == 7 + 2 * STEP_SEED_STRIDE
+    seeds = [request_seed(0, step, attempt, prompts, n) + i for step in range(3) for attempt in range(4)
+             for i in range(prompts * n)]
+    assert len(set(seeds)) == len(seeds)
+    check_seed_budget(STEP_SEED_STRIDE - 1)
+    with pytest.raises(ValueError, match=r"grpo\.max_refill_batches"):
+        check_seed_budget(STEP_SEED_STRIDE)
 
 
 def test_auto_is_per_dp_group_only_with_data_parallelism() -> None:
