@@ -22,8 +22,6 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import checkpoint_worker
 import dist_harness
 

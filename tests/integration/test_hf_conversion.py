@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,6 @@ import torch
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 transformers = pytest.importorskip("transformers", reason="needs transformers (pulled in by the cpu extra)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # dist_harness
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_conversion_worker (spawned ranks re-import it)
 
 import dist_harness  # noqa: E402
 import hf_conversion_worker  # noqa: E402

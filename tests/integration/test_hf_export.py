@@ -11,7 +11,6 @@ bad dtype or shard size is refused by name. The vLLM check (slow) serves the TP1
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,6 @@ import torch
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 transformers = pytest.importorskip("transformers", reason="needs transformers (pulled in by the cpu extra)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # dist_harness
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_export_worker (spawned ranks re-import it)
 
 import dist_harness  # noqa: E402
 import hf_export_worker  # noqa: E402

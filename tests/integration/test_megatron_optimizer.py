@@ -21,7 +21,6 @@ Real Megatron (`DistributedDataParallel`, `get_megatron_optimizer`, `finalize_mo
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,6 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import dist_harness
 import optimizer_worker
 

