@@ -152,7 +152,3 @@ def test_loss_modules_and_logits_gradient(eight_run: dict[str, Any], cfg_name: s
     scale = 1.0 / max(num_tokens, 1)
     assert abs(loss_sum * scale - ref_loss) < TOL, (loss_sum * scale, ref_loss)
     torch.testing.assert_close(grad_sum * scale, ref_grad, atol=TOL, rtol=0)
-
-
-def test_the_launch_is_fast(eight_run: dict[str, Any]) -> None:
-    assert eight_run["seconds"] < 60.0, f"the 8-rank launch took {eight_run['seconds']:.0f} s"

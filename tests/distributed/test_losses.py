@@ -105,7 +105,3 @@ def test_nemo_rl_adapter_matches_single_process(loss_run: dict[str, Any], layout
     loss = sum(r["loss"] for coords, r in records if coords[0] == 0)
     assert abs(loss - ref_loss) < TOL, (loss, ref_loss)
     torch.testing.assert_close(grad, ref_grad, atol=TOL, rtol=0)
-
-
-def test_launch_is_fast(loss_run: dict[str, Any]) -> None:
-    assert loss_run["seconds"] < 60.0, loss_run["seconds"]

@@ -107,7 +107,7 @@ def test_smollm2_reuses_the_cache(smollm2_dir: Path) -> None:
     mtimes = {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()}
     start = time.monotonic()
     assert smollm2_135m_dir(smollm2_dir.parent) == smollm2_dir
-    assert time.monotonic() - start < 10  # hashing the 98 MB GGUF only
+    assert time.monotonic() - start < 60  # hashing the 98 MB GGUF only, not a conversion (unchanged mtimes below)
     assert {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()} == mtimes
 
 

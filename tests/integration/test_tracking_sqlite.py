@@ -128,7 +128,7 @@ def test_replay_errors_name_the_problem(tmp_path: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(TrackingUnavailableError, match=r"still unreachable.*1 records remain"):
         replay_buffer(tmp_path / "run", "http://127.0.0.1:9", timeout_s=1.0)
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 20.0  # within its 1 s bound, not MLflow's retries with back-off (minutes)
     assert pending_records(tmp_path / "run") == 1
     assert replay_main([str(tmp_path / "run"), "--tracking-uri", "http://127.0.0.1:9", "--timeout", "0.5"]) == 1
 
