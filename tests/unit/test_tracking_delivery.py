@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+from default_lane import require
 
-mlflow_exceptions = pytest.importorskip("mlflow.exceptions")
+mlflow_exceptions = require("mlflow.exceptions", "mlflow")
 
-from nemo_rollout_correction.tracking.delivery import (  # noqa: E402
+from nemo_rollout_correction.tracking.delivery import (
     BufferedSender,
     Deliverer,
     DeliveryError,
