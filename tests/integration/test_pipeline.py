@@ -67,8 +67,8 @@ def _reassemble(scored: torch.Tensor, positions: torch.Tensor, want: torch.Tenso
 LAYOUTS = [
     pytest.param(False, 2, 1, 2, id="untied-tp2_pp2"),
     pytest.param(False, 1, 2, 1, id="untied-cp2"),
-    pytest.param(True, 1, 1, 2, id="tied-pp2"),
     pytest.param(True, 1, 2, 2, id="tied-cp2_pp2"),
+    pytest.param(True, 1, 1, 2, id="tied-pp2", marks=pytest.mark.slow),  # tied over PP stages: tied-cp2_pp2
     pytest.param(False, 1, 1, 2, id="untied-pp2", marks=pytest.mark.slow),
     pytest.param(True, 2, 1, 2, id="tied-tp2_pp2", marks=pytest.mark.slow),
     pytest.param(True, 1, 2, 1, id="tied-cp2", marks=pytest.mark.slow),
