@@ -29,7 +29,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["ParallelGroups", "build_parallel_groups", "megatron_rank"]
+# ProcessGroup is re-exported: the layers above name the type through this package, never torch.distributed.
+__all__ = ["ParallelGroups", "ProcessGroup", "build_parallel_groups", "megatron_rank"]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@
 - `all_reduce_sums`: a step's scalar statistics summed over data x context parallelism.
 - `broadcast_object`: rollouts and rewards from the rank that hosts the rollout engine;
 - `all_gather_object`: every engine's rollouts and rewards when each data-parallel group hosts one;
-- `send_object` / `recv_object`: the logprobs and routing of the rows a data-parallel group trains.
+- `send_object` / `recv_object`: the logprobs and routing of the rows a data-parallel group trains;
+- `launched_process_group` / `sum_over_world`: a bare process group from torchrun's environment, without
+  Megatron (the launchers' smoke job, `launch/smoke.py`).
 
 Gradients are not reduced here: Megatron's DDP and `finalize_model_grads` do it (`models.optimizer`).
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -116,6 +120,30 @@ def barrier() -> None:
 
 
 
+@contextmanager
+def launched_process_group(backend: str) -> Iterator[tuple[int, int]]:
+    """Join the default process group from torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...).
+
+    Yields `(rank, world_size)` and destroys the group on exit. Unlike `init_runtime` it sets up no
+    Megatron state and takes the backend (`gloo` or `nccl`) from the caller.
+    """
+    dist.init_process_group(backend)
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        dist.destroy_process_group()
+
+
+def sum_over_world(value: float, device: torch.device | None = None) -> float:
+    """SUM one scalar over every rank of the job (a plain all-reduce on the default group).
+
+    `device`: where the collective's tensor lives (the rank's CUDA device under NCCL, CPU for gloo).
+    """
+    buf = torch.tensor([float(value)], device=device)
+    dist.all_reduce(buf)
+    return float(buf.item())
+
+
 def all_reduce_sums(values: dict[str, float], groups: ParallelGroups) -> dict[str, float]:
     """SUM a small dict of scalars over the data x context parallel group (one float64 all-reduce).
 
@@ -137,7 +165,9 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "init_runtime",
+    "launched_process_group",
     "recv_object",
     "send_object",
     "shutdown_runtime",
+    "sum_over_world",
 ]

@@ -30,12 +30,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import compute_rollout_correction
 from nemo_rollout_correction.distributed.correction import distributed_rollout_correction, reduce_step
 from nemo_rollout_correction.distributed.groups import build_parallel_groups
+from nemo_rollout_correction.distributed.runtime import barrier, launched_process_group, sum_over_world
 
 
 def generated_batch(batch: int, seq: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
@@ -72,14 +72,11 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
+    with launched_process_group(backend) as (rank, world):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else None
         if device is not None:
             torch.cuda.set_device(device)
-        ranks_sum = torch.tensor([float(rank)], device=device)
-        dist.all_reduce(ranks_sum)  # SUM of 0..world-1
+        ranks_sum = sum_over_world(float(rank), device)  # 0 + 1 + ... + world-1
 
         if args.batch % world:
             raise ValueError(f"--batch={args.batch} must be divisible by the world size {world}")
@@ -100,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             "backend": backend,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "ranks_sum": float(ranks_sum.item()),
+            "ranks_sum": ranks_sum,
             "preset": args.preset,
             "rows": [rows.start, rows.stop],
             "num_local_tokens": int(data["loss_mask"][rows].sum()),
@@ -114,10 +111,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{rank}.json").write_text(json.dumps(record, indent=2, sort_keys=True))
-        dist.barrier()
+        barrier()
         return record
-    finally:
-        dist.destroy_process_group()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -64,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
@@ -72,16 +72,13 @@ from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.distributed.correction import MicrobatchCorrection, reduce_step_metrics
 from nemo_rollout_correction.distributed.dtensor import vocab_shard_of
-from nemo_rollout_correction.distributed.groups import ParallelGroups
+from nemo_rollout_correction.distributed.groups import ParallelGroups, ProcessGroup
 from nemo_rollout_correction.distributed.vocab_parallel import vocab_parallel_logprobs
 from nemo_rollout_correction.losses.rollout_corrected_pg import (
     MicrobatchLoss,
     RolloutCorrectedPolicyLoss,
     StepDenominators,
 )
-
-if TYPE_CHECKING:  # the distributed layer owns torch.distributed; only the type is named here
-    from torch.distributed import ProcessGroup
 
 __all__ = ["NEMO_RL_KEYS", "LossInputType", "LossType", "NeMoRLRolloutCorrectedLoss", "nemo_rl_inputs"]
 

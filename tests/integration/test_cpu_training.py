@@ -10,16 +10,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
+require("megatron.core", "megatron")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import cpu_training_worker
 import dist_harness
 

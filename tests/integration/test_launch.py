@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from default_lane import require
 
 from nemo_rollout_correction.launch import Entry, LauncherConfig, main, settings_from_overrides, torchrun_command
 from nemo_rollout_correction.launch.entry import shell_join
@@ -65,7 +66,7 @@ def test_bad_launcher_overrides_name_the_key_and_the_allowed_values(overrides: l
 
 def test_composed_launcher_section_rejects_unknown_keys_and_reads_a_config_dir(tmp_path: Path) -> None:
     # The launcher reads nrc train's composed config (one LauncherConfig); a user config dir takes part in it.
-    pytest.importorskip("hydra", reason="the config extra (hydra-core) is not installed")
+    require("hydra", "config")
     with pytest.raises(ValueError, match="gpus"):
         settings_for(["launcher.gpus=8"])
     (tmp_path / "launcher").mkdir()
@@ -91,7 +92,7 @@ def test_torchrun_command_multi_node_uses_c10d_rendezvous_expanded_on_each_node(
 
 def test_cli_composes_the_launcher_section_of_the_train_config() -> None:
     # The parallelism group sets launcher.nproc_per_node in nrc train's config; the launcher follows it.
-    pytest.importorskip("hydra", reason="the config extra (hydra-core) is not installed")
+    require("hydra", "config")
     # 4 ranks: 16 rollouts per step must split into microbatches of 4 on each data-parallel rank.
     overrides = ["parallelism=dp2", "launcher=slurm", "launcher.nodes=2", "policy.micro_batch_size=4"]
     _, settings, entry = resolve(overrides)
@@ -113,7 +114,7 @@ def test_cli_routes_overrides_and_entry_arguments() -> None:
 def test_cli_config_dir_composes_the_launcher_and_reaches_nrc_train(tmp_path: Path) -> None:
     # `nrc launch --config-dir DIR`, as `nrc train --config-dir DIR`: the launcher section comes from DIR, and
     # every rank's nrc train gets the same directory (absolute: a rank's working directory may differ).
-    pytest.importorskip("hydra", reason="the config extra (hydra-core) is not installed")
+    require("hydra", "config")
     (tmp_path / "launcher").mkdir()
     (tmp_path / "launcher" / "two.yaml").write_text("name: slurm\nnodes: 2\n")
     _, settings, entry = resolve(["--config-dir", str(tmp_path), "launcher=two"])
@@ -142,7 +143,7 @@ def test_cli_print_torchrun_and_bad_input_exit_codes(capsys: pytest.CaptureFixtu
 
 @pytest.mark.distributed
 def test_nemo_run_local_executor_runs_two_cpu_ranks_for_real(tmp_path: Path) -> None:
-    pytest.importorskip("nemo_run", reason="nemo-run==0.11.1 is not installed (pip install nemo-run==0.11.1)")
+    require("nemo_run", "nemo-run")
     out = tmp_path / "smoke"
     proc = _launcher(tmp_path, "launcher.nproc_per_node=2", "--name", "smoke", "--no-tail-logs",
                      "--entry-module", SMOKE, "--", "--output-dir", str(out), "--preset", "decoupled_geo_rs")
@@ -171,7 +172,7 @@ def test_nemo_run_local_executor_runs_two_cpu_ranks_for_real(tmp_path: Path) -> 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_nemo_run_local_executor_reports_a_failing_job(tmp_path: Path) -> None:
-    pytest.importorskip("nemo_run", reason="nemo-run==0.11.1 is not installed (pip install nemo-run==0.11.1)")
+    require("nemo_run", "nemo-run")
     # 15 rows cannot be split over 2 ranks: the smoke job raises on both ranks.
     proc = _launcher(tmp_path, "launcher.nproc_per_node=2", "--name", "bad", "--no-tail-logs",
                      "--entry-module", SMOKE, "--", "--output-dir", str(tmp_path / "o"), "--batch", "15")
@@ -181,7 +182,7 @@ def test_nemo_run_local_executor_reports_a_failing_job(tmp_path: Path) -> None:
 
 
 def test_nemo_run_slurm_executor_dry_run_renders_the_sbatch_script(tmp_path: Path) -> None:
-    pytest.importorskip("nemo_run", reason="nemo-run==0.11.1 is not installed (pip install nemo-run==0.11.1)")
+    require("nemo_run", "nemo-run")
     proc = _launcher(
         tmp_path, "launcher=slurm", "launcher.nodes=2", "launcher.nproc_per_node=8", "launcher.account=acct",
         "launcher.partition=batch", "launcher.time=02:30:00", "launcher.container_image=nvcr.io/acme/nrc:0.1.0",
@@ -219,7 +220,7 @@ def test_nemo_run_slurm_executor_dry_run_renders_the_sbatch_script(tmp_path: Pat
 ])
 def test_the_override_parser_and_the_composed_config_apply_the_same_rules(override: str) -> None:
     # One rule per field (LauncherConfig): what Hydra's composition accepts, the no-Hydra override parser accepts.
-    pytest.importorskip("hydra", reason="the config extra (hydra-core) is not installed")
+    require("hydra", "config")
 
     def accepts(make: Any) -> bool:
         try:

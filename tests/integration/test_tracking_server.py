@@ -7,33 +7,31 @@ same port and sqlite file. Everything is read back with a fresh MlflowClient.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from default_lane import require
 
-mlflow = pytest.importorskip("mlflow")
-pq = pytest.importorskip("pyarrow.parquet")
-yaml = pytest.importorskip("yaml")
+mlflow = require("mlflow", "mlflow")
+pq = require("pyarrow.parquet", "mlflow")
+yaml = require("yaml", "config")
 
-from mlflow import MlflowClient  # noqa: E402
+from mlflow import MlflowClient
+from mlflow_server import MlflowServer, free_port
 
-from nemo_rollout_correction.tracking import (  # noqa: E402
+from nemo_rollout_correction.tracking import (
     MlflowTracker,
     TrackingUnavailableError,
     pending_records,
     replay_buffer,
 )
-from nemo_rollout_correction.tracking.review import (  # noqa: E402
+from nemo_rollout_correction.tracking.review import (
     RewardHistory,
     SequenceReview,
     log_review_artifacts,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the mlflow_server helper next to this file
-from mlflow_server import MlflowServer, free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +88,7 @@ def test_unreachable_server_at_start_fails_fast_with_a_clear_error(tmp_path: Pat
     t0 = time.monotonic()
     with pytest.raises(TrackingUnavailableError, match="not reachable") as info:
         tracker.start()
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 20.0  # not MLflow's default retries with back-off (minutes)
     message = str(info.value)
     assert uri in message and "mlflow server" in message and "tracking.enabled=false" in message
     assert tracker.run_id is None
@@ -231,7 +229,8 @@ def test_hung_server_costs_training_nothing_and_late_answers_are_not_duplicated(
             tracker.log_metrics({"loss/total": float(step)}, step=step)
             worst = max(worst, time.perf_counter() - t0)
             time.sleep(0.15)
-        assert worst < 0.25, f"log_metrics blocked on a hung server: {worst:.3f} s"
+        # blocking would cost at least request_timeout_s = 1 s per call; the budget leaves a loaded machine room
+        assert worst < 0.75, f"log_metrics blocked on a hung server: {worst:.3f} s"
         assert tracker.pending_records > 0
     finally:
         up.resume()
@@ -275,7 +274,8 @@ def test_outage_mid_run_buffers_without_blocking_and_a_run_that_ends_during_it_r
     note.unlink()  # the tracker spooled its own copy
     assert a.pending_records > 0
     assert not a.flush(timeout_s=1.0)
-    assert max(durations) < 0.25, f"log_metrics blocked during the outage: {max(durations):.3f} s"
+    # blocking would cost MLflow's retries with back-off (seconds per call); a journal append costs milliseconds
+    assert max(durations) < 1.0, f"log_metrics blocked during the outage: {max(durations):.3f} s"
 
     for step in range(1, 6):
         b.log_metrics({"loss/total": float(step)}, step=step)
@@ -284,7 +284,7 @@ def test_outage_mid_run_buffers_without_blocking_and_a_run_that_ends_during_it_r
     b.log_artifact(final)
     t0 = time.monotonic()
     assert b.close("FINISHED") is False
-    assert time.monotonic() - t0 < 6.0, "close() must give up within its bound"
+    assert time.monotonic() - t0 < 15.0, "close() must give up within its bound (1.5 s), not wait for the server"
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "still unreachable" in errors[0]
     assert "nemo_rollout_correction.tracking.replay" in errors[0] and str(run_b) in errors[0]

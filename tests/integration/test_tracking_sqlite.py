@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from default_lane import require
 
-pytest.importorskip("mlflow")
+require("mlflow", "mlflow")
 
 from mlflow import MlflowClient
 
@@ -128,7 +129,7 @@ def test_replay_errors_name_the_problem(tmp_path: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(TrackingUnavailableError, match=r"still unreachable.*1 records remain"):
         replay_buffer(tmp_path / "run", "http://127.0.0.1:9", timeout_s=1.0)
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 20.0  # within its 1 s bound, not MLflow's retries with back-off (minutes)
     assert pending_records(tmp_path / "run") == 1
     assert replay_main([str(tmp_path / "run"), "--tracking-uri", "http://127.0.0.1:9", "--timeout", "0.5"]) == 1
 
@@ -136,7 +137,7 @@ def test_replay_errors_name_the_problem(tmp_path: Path) -> None:
 def test_a_failing_review_write_is_logged_and_training_goes_on(
     tmp_path: Path, store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pytest.importorskip("matplotlib")
+    require("matplotlib", "mlflow")
     from nemo_rollout_correction.tracking.review import SequenceReview, log_review_artifacts
 
     _, uri, _ = store

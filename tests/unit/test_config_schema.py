@@ -103,7 +103,8 @@ def test_literals_come_from_core() -> None:
 
 
 def test_model_source_accepts_exactly_the_builtin_model_sources() -> None:
-    sources = pytest.importorskip("nemo_rollout_correction.models.sources")
+    from nemo_rollout_correction.models import sources
+
     for name in sources.BUILTIN_SOURCES:
         assert ModelConfig(source=name).source == name
     with pytest.raises(ConfigError, match=r"did you mean 'tiny-llama'"):
@@ -111,7 +112,8 @@ def test_model_source_accepts_exactly_the_builtin_model_sources() -> None:
 
 
 def test_task_names_are_the_task_literal() -> None:
-    tasks = pytest.importorskip("nemo_rollout_correction.trainer.tasks")
+    from nemo_rollout_correction.trainer import tasks
+
     assert typing.get_args(typing.get_type_hints(TaskConfig)["name"]) == tasks.TASK_NAMES
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
 from nemo_rollout_correction.models.hf_config import (
     FAMILIES,
@@ -20,7 +21,7 @@ from nemo_rollout_correction.models.hf_config import (
     unknown_keys,
 )
 
-transformers = pytest.importorskip("transformers", reason="needs transformers (pulled in by the cpu extra)")
+transformers = require("transformers", "megatron")
 
 TINY = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 128}

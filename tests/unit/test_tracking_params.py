@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from default_lane import require
 
 from nemo_rollout_correction.tracking.tracker import (
     MAX_KEY_LENGTH,
@@ -42,7 +43,7 @@ def test_flatten_nested_dotted_keys_and_json_leaves() -> None:
 
 
 def test_omegaconf_containers_flatten_like_plain_ones() -> None:
-    omegaconf = pytest.importorskip("omegaconf")
+    omegaconf = require("omegaconf", "config")
     config = omegaconf.OmegaConf.create({"launcher": {"container_mounts": ["/a:/a"], "partition": None}})
     assert flatten_config(config) == {"launcher.container_mounts": '["/a:/a"]', "launcher.partition": "null"}
 

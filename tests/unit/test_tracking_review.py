@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("matplotlib")
-pq = pytest.importorskip("pyarrow.parquet")
+require("matplotlib", "mlflow")
+pq = require("pyarrow.parquet", "mlflow")
 
-from nemo_rollout_correction.tracking.review import (  # noqa: E402  # noqa: E402  # noqa: E402
+from nemo_rollout_correction.tracking.review import (
     COLUMNS,
     KL_LABEL,
     RewardHistory,

@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="trainer.scoring imports the Megatron policy")
+require("megatron.core", "megatron")
 
 from nemo_rollout_correction.trainer.scoring import sequence_log_ratios
 

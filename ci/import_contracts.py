@@ -1,0 +1,88 @@
+"""import-linter contract types of our own (registered under `contract_types` in pyproject.toml).
+
+`forbidden_submodule`: no module of `source_modules` (packages of this project, with their descendants),
+except those in `allowed_importers` (with theirs), uses any of `forbidden_modules`, which may be subpackages
+of external packages such as `torch.distributed`.
+import-linter's own `forbidden` contract refuses those ("subpackages of external packages are not
+valid": grimp keeps external packages as one top-level node), and `import torch` followed by
+`torch.distributed.all_reduce(...)` needs no import of the subpackage at all. So this contract reads
+each module's syntax tree: an `import`, a `from ... import`, or an attribute chain naming a forbidden
+module breaks it. `TYPE_CHECKING` imports count too: name the type through the allowed package instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+from grimp import ImportGraph
+from importlinter import Contract, ContractCheck, fields, output
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """`a.b.c` for a Name/Attribute chain, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def uses_of(source: str, forbidden: list[str]) -> list[tuple[int, str]]:
+    """(line, name) of every import or attribute chain in `source` that names a module in `forbidden`."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            names = [dotted] if dotted else []
+        for name in names:
+            if any(name == bad or name.startswith(bad + ".") for bad in forbidden):
+                found.append((node.lineno, name))
+                break
+    return sorted(set(found))
+
+
+def _module_file(root_dir: Path, root: str, module: str) -> Path:
+    parts = module.split(".")[1:] if module != root else []
+    path = root_dir.joinpath(*parts)
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+class ForbiddenSubmoduleContract(Contract):
+    """The source packages never import (or reach by attribute) the forbidden modules."""
+
+    type_name = "forbidden_submodule"
+
+    source_modules = fields.ListField(subfield=fields.ModuleField())
+    forbidden_modules = fields.ListField(subfield=fields.StringField())
+    allowed_importers = fields.ListField(subfield=fields.ModuleField(), required=False, default=[])
+
+    def check(self, graph: ImportGraph, verbose: bool) -> ContractCheck:
+        forbidden = list(self.forbidden_modules)  # type: ignore[call-overload]
+        allowed = {module.name for module in self.allowed_importers}  # type: ignore[attr-defined]
+        violations: list[str] = []
+        for source in self.source_modules:  # type: ignore[attr-defined]
+            root = source.name.split(".")[0]
+            spec = importlib.util.find_spec(root)
+            if spec is None or not spec.submodule_search_locations:
+                raise ValueError(f"forbidden_submodule: cannot locate the package {root!r}")
+            root_dir = Path(next(iter(spec.submodule_search_locations)))
+            for module in sorted({source.name} | graph.find_descendants(source.name)):
+                if any(module == a or module.startswith(a + ".") for a in allowed):
+                    continue
+                path = _module_file(root_dir, root, module)
+                for line, name in uses_of(path.read_text(), forbidden):
+                    violations.append(f"{module} (line {line}) uses {name}")
+        return ContractCheck(kept=not violations, metadata={"violations": violations})
+
+    def render_broken_contract(self, check: ContractCheck) -> None:
+        for violation in check.metadata["violations"]:
+            output.print_error(violation, bold=False)
+            output.new_line()
