@@ -103,6 +103,33 @@ class RefitExtension:
         runner._nrc_routing = recorder
         return {"num_layers": len(recorder.layer_ids), "topk": recorder.topk}
 
+    def nrc_die_with_trainer(self, trainer_pid: int) -> dict[str, Any]:
+        """Die with the trainer: `PR_SET_PDEATHSIG` = SIGKILL in this process (Linux `prctl` through ctypes).
+
+        On CPU vLLM runs this worker inside its engine-core process, a child of the trainer: when the trainer dies,
+        even by SIGKILL, the kernel kills this process too (no orphaned `VLLM::EngineCore`). Where the worker is a
+        process of vLLM's multiprocess executor (GPU, unverified here) its parent is the engine core and vLLM's
+        death pipe already stops it with its parent. SIGINT is ignored here: a terminal's Ctrl-C reaches the whole
+        process group, and the trainer, which stops at a step boundary (trainer/preemption.py), shuts the engine
+        down itself.
+        """
+        import ctypes
+        import os
+        import signal
+        import threading
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        parent = os.getppid()
+        if parent != trainer_pid and parent == 1:  # the trainer died before the call: nothing left to serve
+            os.kill(os.getpid(), signal.SIGKILL)
+        ignored_sigint = threading.current_thread() is threading.main_thread()
+        if ignored_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return {"pid": os.getpid(), "parent": parent, "ignores_sigint": ignored_sigint}
+
     def nrc_routing_take(self) -> dict[str, dict[str, Any]]:
         """Every request's captured routing since the last call (`RoutingRecorder.take`), then forget it."""
         recorder = getattr(self.model_runner, "_nrc_routing", None)  # type: ignore[attr-defined]
