@@ -274,6 +274,23 @@ def _child_pids() -> set[int]:
     return {child.pid for child in psutil.Process().children(recursive=False)}
 
 
+def _engine_processes(new_children: set[int]) -> list[int]:
+    """Of the processes `LLM()` started, vLLM's engine core(s) (`VLLM::EngineCore` by their title), not helpers
+    such as multiprocessing's resource tracker."""
+    import psutil
+
+    engines = []
+    for pid in sorted(new_children):
+        try:
+            process = psutil.Process(pid)
+            title = f"{process.name()} {' '.join(process.cmdline())}"
+        except psutil.NoSuchProcess:
+            continue
+        if "EngineCore" in title:
+            engines.append(pid)
+    return engines
+
+
 def _dead_processes(pids: Sequence[int]) -> list[str]:
     """`pid N (exit ...)` for each of `pids` that is no longer running (zombies included)."""
     import psutil
@@ -348,7 +365,7 @@ class VllmRolloutEngine:
                                      f"{type(exc).__name__}: {exc}") from exc
         # vLLM's engine-core process(es), started by LLM(): watched during every call (`_watched`) and told to die
         # with this process (no orphans after a SIGKILL of the trainer)
-        self.engine_processes = [pid for pid in _child_pids() if pid not in before]
+        self.engine_processes = _engine_processes(_child_pids() - before)
         self.parent_death: list[dict[str, Any]] = []  # per worker: how its processes die with this one
         if self.engine_processes:
             self.parent_death = self._watched(

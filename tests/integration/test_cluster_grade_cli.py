@@ -104,10 +104,16 @@ def _alive(processes: list[Any]) -> list[str]:
 
 
 def _run_of(server: Any, out: Path) -> Any:
-    """The MLflow run of the job that wrote `out` (its config param `run.output_dir`)."""
+    """The MLflow run of the job that wrote `out`: the run id in its newest checkpoint (a resumed copy continues
+    the run of the original directory), else the run whose config param `run.output_dir` is `out`."""
     from mlflow.tracking import MlflowClient
 
+    from nemo_rollout_correction.trainer import checkpoint as ckpt
+
     client = MlflowClient(server.uri)
+    newest = ckpt.latest_checkpoint(out / "checkpoints")
+    if newest is not None:
+        return client.get_run(ckpt.load_meta(newest)["observer"]["mlflow_run_id"])
     experiment = client.get_experiment_by_name("cluster")
     (run,) = client.search_runs([experiment.experiment_id], filter_string=f"params.`run.output_dir` = '{out}'")
     return run
