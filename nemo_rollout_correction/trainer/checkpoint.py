@@ -144,13 +144,21 @@ def load_data_file(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UnsafeCheckpointError(
-            f"{path}: refused to load: it is not plain data (torch.load weights_only=True: {first}). Checkpoint "
+            f"{path}: refused to load: it is not plain data (torch.load weights_only=True: {_why(exc)}). Checkpoint "
             "files are read as data only; a file that needs arbitrary unpickling was not written by this version "
             "or was tampered with") from exc
     except (RuntimeError, EOFError, OSError) as exc:
         raise CorruptCheckpointError(path, exc) from exc
+
+
+def _why(exc: BaseException) -> str:
+    """The line of torch's weights-only refusal that names the offending global (its first lines are advice)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if "Unsupported global" in line or "GLOBAL" in line:
+            return line.split(". Please use")[0]
+    return lines[0] if lines else type(exc).__name__
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -452,8 +460,7 @@ def _load_data_bytes(shard: Path, item: str, data: bytes, buffer: Any) -> None:
     try:
         torch.load(buffer(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UnsafeCheckpointError(f"{shard}: item {item} refused: not plain data ({first})") from exc
+        raise UnsafeCheckpointError(f"{shard}: item {item} refused: not plain data ({_why(exc)})") from exc
     except (RuntimeError, EOFError) as exc:
         raise CorruptCheckpointError(shard, exc) from exc
 
