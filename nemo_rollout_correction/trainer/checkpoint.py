@@ -166,6 +166,7 @@ class CorruptCheckpointError(RuntimeError):
 
     def __init__(self, path: Path, error: BaseException, previous: Path | None = None) -> None:
         self.path = Path(path)
+        self.error = error
         text = " ".join(str(error).split())[:500]
         message = f"{path}: unreadable checkpoint file ({type(error).__name__}: {text})"
         if previous is not None:
@@ -483,7 +484,7 @@ def _dist_load(request: dict[str, Any], step_dir: Path) -> dict[str, Any]:
     try:
         verify_checkpoint_files(step_dir)
     except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(exc.path, exc.__cause__ or exc, _previous_complete(step_dir)) from exc
+        raise CorruptCheckpointError(exc.path, exc.error, _previous_complete(step_dir)) from exc
     try:
         loaded: dict[str, Any] = dist_checkpointing.load(request, str(Path(step_dir) / DIST_DIR))
     except (KeyboardInterrupt, SystemExit):
