@@ -470,6 +470,12 @@ class VllmRolloutEngine:
                     f"{what} did not finish within rollout.generate_timeout_s={self.options.generate_timeout_s:g} s; "
                     "the engine is hung (raise rollout.generate_timeout_s if generation is just slow)")
         if error:
+            # vLLM may notice a dead engine core first (EngineDeadError): name the engine and how its process ended
+            time.sleep(0.5)  # the dying process becomes a zombie
+            dead = _dead_processes(self.engine_processes)
+            if dead:
+                raise RolloutEngineError(f"vLLM {self.name}: its engine process died during {what} "
+                                         f"({'; '.join(dead)}); the run cannot go on without it") from error[0]
             raise error[0]
         return result[0]  # type: ignore[no-any-return]
 
@@ -503,7 +509,7 @@ class VllmRolloutEngine:
         except RolloutEngineError:
             raise
         except Exception as exc:
-            raise RolloutEngineError(f"weight refit failed: {type(exc).__name__}: {exc}") from exc
+            raise RolloutEngineError(f"vLLM {self.name}: weight refit failed: {type(exc).__name__}: {exc}") from exc
         finally:
             os.unlink(path)
         seconds = time.perf_counter() - start

@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlflow_server import MlflowServer
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# each test starts one or two jobs; vLLM's start alone took up to 330 s on the shared, overloaded 2-core machine
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
 EXIT_PREEMPTED = 75
