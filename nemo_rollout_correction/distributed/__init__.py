@@ -12,7 +12,8 @@
 - `tensor_gather`: TP parameter shards gathered into full tensors (weight refit);
 - `runtime`: process-group set-up (torchrun or one process) and the few step-level collectives the
   trainer needs;
-- `cpu_compat`: Megatron-Core's CPU-capable code paths on machines without CUDA.
+- `cpu_compat`: Megatron-Core's CPU-capable code paths on machines without CUDA;
+- `dcp_metadata`: torch.distributed.checkpoint's metadata types, for the trainer's data-only checkpoint checks.
 
 See docs/reduction_contract.md for what is reduced over which group and what it costs.
 """

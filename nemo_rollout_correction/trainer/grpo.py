@@ -69,7 +69,7 @@ from nemo_rollout_correction.models.hf_export import export_hf
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import resolve_model_source
 from nemo_rollout_correction.trainer import checkpoint as ckpt
-from nemo_rollout_correction.trainer import console, evaluation, routing_replay
+from nemo_rollout_correction.trainer import console, evaluation, preemption, routing_replay
 from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import apply_overlong_filter
@@ -152,6 +152,7 @@ class GrpoTrainer:
         self.hf_export_dir: Path | None = None  # the HF export of the end of the run
         self.step_history: list[dict[str, float]] = []  # this process's steps, for the closing summary
         self.progress: StepProgress | None = None  # the console's progress bar while `train` runs
+        self.stopped_by: str | None = None  # the signal that stopped `train()` early (trainer/preemption.py)
 
     def _build_policy(self, *, routing_replay: bool) -> MegatronPolicy:
         policy = MegatronPolicy.from_hf(self.hf_dir, params_dtype=self.cfg.model.dtype, seed=self.cfg.run.seed,
@@ -303,34 +304,36 @@ class GrpoTrainer:
 
     def train(self) -> dict[str, float]:
         """Run (or resume) to `run.num_steps`; checkpoints every `checkpoint.every_n_steps` and at the end."""
-        meta = self.maybe_resume()
-        self.observer.on_start(to_dict(self.cfg), None if meta is None else meta.get("observer"))
         total = self.cfg.run.num_steps
         last: dict[str, float] = {}
         status = "FAILED"
-        self.progress = (StepProgress(total, self.step_index, console.current(), self.cfg.run.log_every)
-                         if self.cfg.run.progress and self.runtime.is_main else None)
-        try:
+        stop = preemption.install(self.log)  # SIGTERM/SIGINT/SIGUSR1: stop at a step boundary (trainer/preemption.py)
+        try:  # from here on any failure, the resume's included, ends the run FAILED
+            meta = self.maybe_resume()
+            self.observer.on_start(to_dict(self.cfg), None if meta is None else meta.get("observer"))
+            self.progress = (StepProgress(total, self.step_index, console.current(), self.cfg.run.log_every)
+                             if self.cfg.run.progress and self.runtime.is_main else None)
             if self.cfg.eval.before_train and self.step_index == 0:
                 self.report.write(self.step_index, before := self.evaluate())
                 self.observer.on_eval(0, before)
-            while self.step_index < total:
+            stopping = stop.agreed()  # collective; a signal during start-up or resume stops before the first step
+            while self.step_index < total and not stopping:
                 last = self.step()
                 self.step_history.append(last)
                 if self.progress is not None:  # trainer/console.py: a tqdm bar with ETA, or a line per step in logs
                     self.progress.update(self.step_index, last)
                 every = self.cfg.checkpoint.every_n_steps
-                if (every > 0 and self.step_index % every == 0) or self.step_index == total:
+                stopping = stop.agreed()  # collective: every rank stops after the same step
+                if (every > 0 and self.step_index % every == 0) or self.step_index == total or stopping:
                     self.save_checkpoint()
                 self.finalize_checkpoints()  # async saves: mark those written since the last step complete
             self.finalize_checkpoints(blocking=True)
-            if self.cfg.export.at_end:
+            self.stopped_by = stop.signal_name if stopping and self.step_index < total else None
+            if self.cfg.export.at_end and self.stopped_by is None:
                 self.export()
-            status = "FINISHED"
-        except KeyboardInterrupt:
-            status = "KILLED"
-            raise
+            status = "KILLED" if self.stopped_by else "FINISHED"
         finally:
+            stop.release()
             if self.progress is not None:
                 self.progress.close()
             self.observer.on_end(status)
