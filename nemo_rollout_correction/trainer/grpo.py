@@ -67,6 +67,7 @@ from nemo_rollout_correction.config.loader import to_dict
 from nemo_rollout_correction.config.redaction import redact_tree
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.advantages import grpo_advantages
+from nemo_rollout_correction.core.devices import tensor_fields_to
 from nemo_rollout_correction.core.loglinear import loglinear_alpha, loglinear_error_partials, loglinear_old_logprobs
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens, shard_next_token_batch
@@ -100,6 +101,7 @@ from nemo_rollout_correction.trainer.dynamic_sampling import (
     apply_overlong_filter,
     collect_step_rollouts,
 )
+from nemo_rollout_correction.trainer.gpu_paths import check_gpu_paths
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
 from nemo_rollout_correction.trainer.resume_check import check_resume
 from nemo_rollout_correction.trainer.rewards import score
@@ -190,6 +192,7 @@ class GrpoTrainer:
         self.sampling = sampling_options(cfg)
         self.sampling.validate()
         self.replay = replay_options(cfg)
+        check_gpu_paths(cfg, data_parallel_size=runtime.data_parallel_size, cuda=torch.cuda.is_available())
 
         # The task (prompts + reward) is built on every rank: the sampler must advance identically.
         self.task = task_from_config(cfg, num_eval_prompts=evaluation.eval_prompt_count(cfg))
@@ -242,7 +245,7 @@ class GrpoTrainer:
             f"[nrc train] Megatron policy ({self.policy.arch.architecture}, {sum(p.numel() for p in self.params):,} "
             f"parameters on this rank, TP={runtime.tensor_parallel_size}, PP={runtime.pipeline_parallel_size}, "
             f"CP={runtime.context_parallel_size}, DP={runtime.data_parallel_size}) "
-            f"built in {time.perf_counter() - start:.1f} s"
+            f"built in {time.perf_counter() - start:.1f} s; layer spec {self.policy.layer_spec}"
         )
 
         self._start_engines()
@@ -601,7 +604,7 @@ class GrpoTrainer:
                 mb.input_ids, mb.labels, mb.position_ids = shard.input_ids, shard.labels, shard.position_ids
                 mb.rollout_logprobs, mb.loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
             routing_replay.attach_microbatch(self.policy, tensors, idx, mb.input_ids, mb.position_ids)
-            out.append(mb)
+            out.append(tensor_fields_to(mb, self.policy.device, keep=("rows",)))  # rows index host tensors
         return out
 
     def _score(self, policy: MegatronPolicy, microbatches: list[Microbatch]) -> list[Tensor] | None:
@@ -900,7 +903,7 @@ class GrpoTrainer:
             for _ in weights:  # take part in the gathers
                 pass
             return None
-        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+        return {name: tensor.detach().to(self.engine.staging_device, copy=True) for name, tensor in weights}
 
     def push_weights(self, weights: dict[str, Tensor]) -> float:
         """Load `weights` into this rank's engine (no collectives); returns the seconds taken."""
