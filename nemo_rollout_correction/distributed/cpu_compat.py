@@ -1,17 +1,16 @@
 """Run Megatron-Core's CPU-capable code paths on machines without CUDA.
 
-Megatron-Core calls `torch.cuda.current_device()` in several helpers (rotary embeddings, some
-tensor-parallel utilities, parallel-state set-up) and uses the result as a `device=`; on CPU
-`patch_cuda_for_cpu` makes it return `"cpu"`, `torch.cuda.synchronize()` a no-op (the pipeline
-p2p code calls it after every exchange) and `torch.cuda.current_stream()` a stream whose waits are no-ops
-(megatron-core 0.19's gradient buffer waits on it before every reduction). Megatron's pipeline schedules also create tensors with a
-literal `device="cuda"`, its tied-embedding set-up calls `Tensor.cuda()`, its context-parallel
-rotary embedding pins memory, and its optimizers (`megatron.core.optimizer`) assert that every
-parameter's `Tensor.type()` is a `torch.cuda.*` type; `cuda_to_cpu()` is a torch-function mode that
-keeps all of it on the CPU while Megatron code runs (model construction, DDP wrapping, the schedule
-with its gradient finalisation, the optimizer build and step). Lives in the distributed layer
-because process-group set-up (`runtime.init_runtime`) needs it before any model exists;
-`models.megatron_cpu` re-exports it.
+Megatron-Core calls `torch.cuda.current_device()` in several helpers (rotary embeddings, some tensor-parallel
+utilities, parallel-state set-up) and uses the result as a `device=`; on CPU `patch_cuda_for_cpu` makes it
+return `"cpu"`, `torch.cuda.synchronize()` a no-op (the pipeline p2p code calls it after every exchange) and
+`torch.cuda.current_stream()` a stream whose waits are no-ops (megatron-core 0.19's gradient buffer waits on
+it before every reduction). Megatron's pipeline schedules also create tensors with a literal `device="cuda"`,
+its tied-embedding set-up calls `Tensor.cuda()`, its context-parallel rotary embedding pins memory, and its
+optimizers (`megatron.core.optimizer`) assert that every parameter's `Tensor.type()` is a `torch.cuda.*` type;
+`cuda_to_cpu()` is a torch-function mode that keeps all of it on the CPU while Megatron code runs (model
+construction, DDP wrapping, the schedule with its gradient finalisation, the optimizer build and step). Lives
+in the distributed layer because process-group set-up (`runtime.init_runtime`) needs it before any model
+exists; `models.megatron_cpu` re-exports it.
 """
 
 from __future__ import annotations

@@ -8,8 +8,12 @@ docs/deployment.md, "GPU status".
 
 from __future__ import annotations
 
+import logging
+
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.rollout.placement import resolve_placement
+
+_log = logging.getLogger("nemo_rollout_correction.trainer")
 
 
 def per_dp_group_gpu_shards(cfg: TrainConfig, *, data_parallel_size: int, cuda: bool) -> bool:
@@ -43,11 +47,28 @@ def gpu_path_problems(cfg: TrainConfig, *, data_parallel_size: int, cuda: bool) 
     return problems
 
 
+def unverified_paths(cfg: TrainConfig, *, data_parallel_size: int, cuda: bool) -> list[str]:
+    """The GPU-only paths this configuration takes that never ran on a GPU (docs/deployment.md, "GPU status")."""
+    if not cuda:
+        return []
+    paths = []
+    if per_dp_group_gpu_shards(cfg, data_parallel_size=data_parallel_size, cuda=cuda):
+        chosen = " (chosen by rollout.placement=auto)" if cfg.rollout.placement == "auto" else ""
+        paths.append(f"vLLM engine shards per data-parallel group with external_launcher, sleep mode and the IPC "
+                     f"weight-transfer refit{chosen}")
+    if cfg.rollout.routing_replay == "r3":
+        paths.append("routing replay from vLLM's enable_return_routed_experts")
+    return paths
+
+
 def check_gpu_paths(cfg: TrainConfig, *, data_parallel_size: int, cuda: bool) -> None:
-    """Raise ValueError listing every problem of `gpu_path_problems`."""
+    """Raise ValueError listing every problem of `gpu_path_problems`; log a warning naming each unverified path."""
     problems = gpu_path_problems(cfg, data_parallel_size=data_parallel_size, cuda=cuda)
     if problems:
         raise ValueError("this configuration cannot run: " + "; ".join(problems))
+    for path in unverified_paths(cfg, data_parallel_size=data_parallel_size, cuda=cuda):
+        _log.warning("UNVERIFIED GPU path: %s never ran on a GPU in this project's tests (docs/deployment.md, "
+                     "\"GPU status\")", path)
 
 
-__all__ = ["check_gpu_paths", "gpu_path_problems", "per_dp_group_gpu_shards"]
+__all__ = ["check_gpu_paths", "gpu_path_problems", "per_dp_group_gpu_shards", "unverified_paths"]

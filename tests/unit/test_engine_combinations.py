@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import importlib.util
 import itertools
+import logging
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,7 @@ def accepted_033() -> set[str]:
 @pytest.mark.parametrize(("placement", "replay", "evaluate", "tp", "dp", "staleness", "cuda"), COMBINATIONS)
 def test_every_combination_is_refused_or_accepted_by_vllm(
         placement: str, replay: str, evaluate: bool, tp: int, dp: int, staleness: int, cuda: bool,
-        accepted_033: set[str], base_config: TrainConfig, tmp_path: Path) -> None:
+        accepted_033: set[str], base_config: TrainConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = dataclasses.replace(  # one composed config, varied here (Hydra composition per case takes ~1 s)
         base_config,
         rollout=dataclasses.replace(base_config.rollout, placement=placement, routing_replay=replay,
@@ -85,7 +86,11 @@ def test_every_combination_is_refused_or_accepted_by_vllm(
         assert all(r in message for r in refusals), message
         assert "rollout.placement=rank0" in message  # the alternative
         return
-    check_gpu_paths(cfg, data_parallel_size=dp, cuda=cuda)
+    with caplog.at_level(logging.WARNING, logger="nemo_rollout_correction.trainer"):
+        check_gpu_paths(cfg, data_parallel_size=dp, cuda=cuda)
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert ("UNVERIFIED GPU path: vLLM engine shards" in warned) == shards  # auto never picks it silently
+    assert ("routing replay from vLLM" in warned) == (cuda and replay == "r3")
     kwargs = llm_kwargs(engine_options(cfg, str(tmp_path), per_dp_group_gpu=shards, data_parallel_size=dp),
                         cuda=cuda)
     if replay == "r3" and cuda:  # vLLM returns the routing itself, and 0.33 requires prefix caching for it
