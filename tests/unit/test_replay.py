@@ -57,10 +57,10 @@ def test_another_request_or_no_recording_is_refused(tmp_path: Path) -> None:
 
 def test_source_settings_are_checked() -> None:
     assert replay_dir("vllm") is None and replay_dir("replay:/x") == Path("/x")
-    with pytest.raises(ValueError, match="rollout.source='file:/x'"):
+    with pytest.raises(ValueError, match=r"rollout\.source='file:/x'"):
         replay_dir("file:/x")
-    with pytest.raises(ConfigError, match="rollout.source"):
+    with pytest.raises(ConfigError, match=r"rollout\.source"):
         load_config(["rollout.source=replay:"])
-    with pytest.raises(ConfigError, match="rollout.record_dir"):
+    with pytest.raises(ConfigError, match=r"rollout\.record_dir"):
         load_config(["rollout.source=replay:/x", "rollout.record_dir=/y"])
     assert load_config(["rollout.source=replay:/x"]).rollout.source == "replay:/x"
