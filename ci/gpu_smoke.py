@@ -186,7 +186,8 @@ def nrc_train(args: list[str], out: Path) -> subprocess.CompletedProcess[str]:
                                                              "MASTER_PORT")}
     limit = float(os.environ.get("NRC_SMOKE_TRAIN_TIMEOUT", "300"))  # a loaded 2-core CI machine needs more
     return subprocess.run([sys.executable, "-m", "nemo_rollout_correction.cli", "train", *args,
-                           f"run.output_dir={out}"], capture_output=True, text=True, timeout=limit, env=env, check=False)
+                           f"run.output_dir={out}"], capture_output=True, text=True, timeout=limit, env=env,
+                          check=False)
 
 
 def check_trainer_step() -> tuple[str, str]:
