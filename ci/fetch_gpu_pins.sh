@@ -34,4 +34,4 @@ with zipfile.ZipFile(glob.glob(f"{dest}/wheels/vllm-0.33.0-*.whl")[0]) as wheel:
 PYEOF
   rm -f "$DEST"/wheels/vllm-0.33.0-*.whl  # the extracted files are all that is read
 fi
-echo "GPU pins in $DEST: $(ls "$DEST" | tr '\n' ' ')"
+echo "GPU pins in $DEST: megatron-core-0.19.2 vllm-0.33.0"
