@@ -56,3 +56,15 @@ def test_installed_vllm_032_reads_the_same_source() -> None:
     assert [m.name for m in metas] == list(tensors)
     assert [n for n, _ in iter(source)] == list(tensors)
     assert [n for n, _ in iter(source)] == list(tensors)  # re-iterable
+
+
+def test_weight_transfer_engines_take_the_trainers_gpu_tensors() -> None:
+    """The trainer gathers the weights onto `staging_device`: the GPU for the IPC refit (no GPU -> CPU -> GPU round
+    trip), the host for the file refit."""
+    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, VllmRolloutEngine
+
+    engine = object.__new__(VllmRolloutEngine)  # the property reads the options only; no engine is started
+    engine.options = EngineOptions(model_dir="m", distributed_executor_backend="external_launcher")
+    assert engine.staging_device == "cuda"
+    engine.options = EngineOptions(model_dir="m")
+    assert engine.staging_device == "cpu"
