@@ -317,7 +317,8 @@ def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
             state["scheduler"] = optim.scheduler.state_dict()
             if save_optimizer:
                 state["optimizer"] = _optimizer_sharded_state(optim.optimizer, model_state, is_loading=False)
-        request = dist_checkpointing.save(state, str(step_dir / DIST_DIR), async_sharded_save=async_queue is not None)
+        request = dist_checkpointing.save(state, str(step_dir / DIST_DIR), async_sharded_save=async_queue is not None,
+                                          **_async_strategy(dist_checkpointing.save))
     _atomic_torch_save(rng_state(), step_dir / RNG_DIR / f"rank_{rank}.pt")
     barrier()
 
@@ -333,6 +334,14 @@ def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
     with cuda_to_cpu():
         async_queue.schedule_async_request(request)  # forks the writer: it sees the weights of this moment
     log(f"[nrc train] checkpoint {step_dir.name}: writing in the background")
+
+
+def _async_strategy(save: Callable[..., Any]) -> dict[str, Any]:
+    """Megatron's own async writer (`async_strategy="mcore"`, the only one in 0.16): megatron-core 0.19 defaults to
+    "nvrx", which needs `nvidia-resiliency-ext` (not a dependency of this package, absent from both images)."""
+    import inspect
+
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save).parameters else {}
 
 
 def new_async_queue() -> Any:
