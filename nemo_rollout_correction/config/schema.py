@@ -218,7 +218,17 @@ class RolloutConfig:
                                    "lowered it): wait regenerates its prompts with the current weights, drop "
                                    "discards its samples and generates fresh prompts.")
 
+    # ---- recorded rollouts (issue 22; rollout/replay.py) ----
+    source: str = _f("vllm", "Where rollouts come from: vllm (the engine), or replay:<dir>, the rollouts a run with "
+                     "rollout.record_dir=<dir> and the same settings recorded (no vLLM needed).")
+    record_dir: str | None = _f(None, "Record every engine call's rollouts in this directory, for "
+                                      "rollout.source=replay:<dir>; null records nothing.")
+
     def __post_init__(self) -> None:
+        if self.source != "vllm" and not (self.source.startswith("replay:") and self.source[7:].strip()):
+            _fail("rollout.source", self.source, "use vllm or replay:<dir of recorded rollouts>")
+        if self.source != "vllm" and self.record_dir:
+            _fail("rollout.record_dir", self.record_dir, "a replayed run records nothing: set rollout.record_dir=null")
         if self.placement not in ROLLOUT_PLACEMENTS:
             _fail("rollout.placement", self.placement, f"allowed: {list(ROLLOUT_PLACEMENTS)}")
         _at_least("rollout.max_model_len", self.max_model_len, 2)

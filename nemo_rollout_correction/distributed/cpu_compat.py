@@ -1,16 +1,16 @@
 """Run Megatron-Core's CPU-capable code paths on machines without CUDA.
 
-Megatron-Core calls `torch.cuda.current_device()` in several helpers (rotary embeddings, some
-tensor-parallel utilities, parallel-state set-up) and uses the result as a `device=`; on CPU
-`patch_cuda_for_cpu` makes it return `"cpu"` and `torch.cuda.synchronize()` a no-op (the pipeline
-p2p code calls it after every exchange). Megatron's pipeline schedules also create tensors with a
-literal `device="cuda"`, its tied-embedding set-up calls `Tensor.cuda()`, its context-parallel
-rotary embedding pins memory, and its optimizers (`megatron.core.optimizer`) assert that every
-parameter's `Tensor.type()` is a `torch.cuda.*` type; `cuda_to_cpu()` is a torch-function mode that
-keeps all of it on the CPU while Megatron code runs (model construction, DDP wrapping, the schedule
-with its gradient finalisation, the optimizer build and step). Lives in the distributed layer
-because process-group set-up (`runtime.init_runtime`) needs it before any model exists;
-`models.megatron_cpu` re-exports it.
+Megatron-Core calls `torch.cuda.current_device()` in several helpers (rotary embeddings, some tensor-parallel
+utilities, parallel-state set-up) and uses the result as a `device=`; on CPU `patch_cuda_for_cpu` makes it
+return `"cpu"`, `torch.cuda.synchronize()` a no-op (the pipeline p2p code calls it after every exchange) and
+`torch.cuda.current_stream()` a stream whose waits are no-ops (megatron-core 0.19's gradient buffer waits on
+it before every reduction). Megatron's pipeline schedules also create tensors with a literal `device="cuda"`,
+its tied-embedding set-up calls `Tensor.cuda()`, its context-parallel rotary embedding pins memory, and its
+optimizers (`megatron.core.optimizer`) assert that every parameter's `Tensor.type()` is a `torch.cuda.*` type;
+`cuda_to_cpu()` is a torch-function mode that keeps all of it on the CPU while Megatron code runs (model
+construction, DDP wrapping, the schedule with its gradient finalisation, the optimizer build and step). Lives
+in the distributed layer because process-group set-up (`runtime.init_runtime`) needs it before any model
+exists; `models.megatron_cpu` re-exports it.
 """
 
 from __future__ import annotations
@@ -39,10 +39,35 @@ def patch_cuda_for_cpu() -> bool:
         def synchronize(device: Any = None) -> None:
             return None
 
+        def current_stream(device: Any = None) -> _HostStream:
+            return _HOST_STREAM
+
         current_device._nrc_cpu_patch = True  # type: ignore[attr-defined]
         torch.cuda.current_device = current_device  # type: ignore[assignment]
         torch.cuda.synchronize = synchronize
+        # megatron-core 0.19's gradient buffer (`start_grad_sync`, `finish_grad_sync`) asks for the current
+        # stream to wait on CUDA-graph events; on the CPU every op is already ordered
+        torch.cuda.current_stream = current_stream  # type: ignore[assignment]
     return True
+
+
+class _HostStream:
+    """The CPU's stand-in for a CUDA stream: host ops run in program order, so every wait or sync is a no-op."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+
+_HOST_STREAM = _HostStream()
 
 
 def _is_cuda(device: Any) -> bool:

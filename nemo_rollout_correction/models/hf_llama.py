@@ -14,7 +14,9 @@ Everything Megatron is imported lazily: importing this module does not need the 
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -29,6 +31,8 @@ from nemo_rollout_correction.models.hf_mapping import (
     split_qkv,
 )
 from nemo_rollout_correction.models.megatron_cpu import patch_cuda_for_cpu
+
+_log = logging.getLogger("nemo_rollout_correction.models")
 
 LlamaArch = ModelArch
 """The former name of `ModelArch` (it covers every supported family now)."""
@@ -125,15 +129,64 @@ def _define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def transformer_engine_available() -> bool:
-    """Whether Transformer Engine imports (GPU containers); never true on CPU machines."""
+LayerSpecName = Literal["local", "transformer_engine"]
+
+
+@dataclass(frozen=True)
+class LayerSpecChoice:
+    """Which Megatron-Core layer spec `build_gpt_model` builds, and why (the trainer logs both)."""
+
+    name: LayerSpecName
+    reason: str
+
+    @property
+    def transformer_engine(self) -> bool:
+        """Whether the Transformer Engine spec is chosen."""
+        return self.name == "transformer_engine"
+
+
+def choose_layer_spec(use_transformer_engine: bool | None = None) -> LayerSpecChoice:
+    """The layer spec for this machine: `use_transformer_engine` when given, else TE exactly when CUDA is available
+    and `transformer_engine.pytorch` imports (GPU containers); never TE on CPU machines.
+
+    An installed TE that fails to import for another reason than being absent (a CUDA/driver mismatch raises
+    OSError or RuntimeError) is not hidden: the reason names the error, and `build_gpt_model` logs it as a warning.
+    """
+    if use_transformer_engine is not None:
+        name: LayerSpecName = "transformer_engine" if use_transformer_engine else "local"
+        return LayerSpecChoice(name, f"requested (use_transformer_engine={use_transformer_engine})")
     if not torch.cuda.is_available():
-        return False
+        return LayerSpecChoice("local", "CUDA is not available (the local spec is the one that runs on CPU)")
     try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as exc:
+        return LayerSpecChoice("local", f"Transformer Engine is not installed ({exc})")
+    except Exception as exc:  # installed but broken: say so instead of silently building the local spec
+        return LayerSpecChoice("local", f"Transformer Engine is installed but failed to import: "
+                                        f"{type(exc).__name__}: {exc}")
+    return LayerSpecChoice("transformer_engine", "CUDA is available and Transformer Engine imports (UNVERIFIED: "
+                                                 "this spec never ran in this project's tests; docs/deployment.md, "
+                                                 "\"GPU status\")")
+
+
+def transformer_engine_available() -> bool:
+    """Whether the automatic choice is the Transformer Engine spec (`choose_layer_spec().reason` says why not)."""
+    return choose_layer_spec().transformer_engine
+
+
+def layer_spec_kwargs(arch: ModelArch, transformer_engine: bool) -> dict[str, Any]:
+    """The keyword arguments of Megatron-Core's `get_gpt_layer_with_transformer_engine_spec` (TE) or
+    `get_gpt_layer_local_spec` for `arch`.
+
+    Only the local spec takes `normalization`: the TE spec's `TENorm` picks RMSNorm from
+    `TransformerConfig.normalization` (megatron-core 0.16.1 and 0.19.2 alike; tests bind these arguments against
+    both releases' signatures).
+    """
+    kwargs: dict[str, Any] = {"num_experts": arch.num_experts or None, "moe_grouped_gemm": False,
+                              "qk_layernorm": arch.qk_norm}
+    if not transformer_engine:
+        kwargs["normalization"] = "RMSNorm"
+    return kwargs
 
 
 def build_gpt_model(arch: ModelArch, config: Any, *, pre_process: bool = True, post_process: bool = True,
@@ -141,7 +194,9 @@ def build_gpt_model(arch: ModelArch, config: Any, *, pre_process: bool = True, p
     """A Megatron-Core `GPTModel` for `arch` with random weights (load them with `load_hf_weights`).
 
     `megatron.core.parallel_state` must be initialised with the TP/PP sizes of `config`. The local layer
-    spec runs on CPU; the Transformer Engine spec is used on GPU when TE imports (None = auto).
+    spec runs on CPU; the Transformer Engine spec is used on GPU when TE imports (None = auto,
+    `choose_layer_spec`). The choice and its reason are logged and kept on the model as `nrc_layer_spec`
+    (a `LayerSpecChoice`): checkpoints record it, since the two specs name their parameters differently.
     With `parallel_output=True` the logits stay vocab-sharded: `[batch, seq, vocab / tp]`.
     With context parallelism (`config.context_parallel_size > 1`) the local spec's core attention is
     `models.cp_attention.AllGatherContextParallelAttention` (TE brings its own CP attention).
@@ -150,14 +205,14 @@ def build_gpt_model(arch: ModelArch, config: Any, *, pre_process: bool = True, p
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     patch_cuda_for_cpu()
-    use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
-    if use_te:
-        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
-            normalization="RMSNorm")
+    choice = choose_layer_spec(use_transformer_engine)
+    broken_te = "failed to import" in choice.reason
+    _log.log(logging.WARNING if broken_te or choice.transformer_engine else logging.INFO,
+             "Megatron-Core layer spec: %s (%s)", choice.name, choice.reason)
+    if choice.transformer_engine:
+        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(**layer_spec_kwargs(arch, True))
     else:
-        layer_spec = specs.get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
-                                                    qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        layer_spec = specs.get_gpt_layer_local_spec(**layer_spec_kwargs(arch, False))
         if arch.is_moe:
             _define_te_general_gemm()
         if config.context_parallel_size > 1:
@@ -175,6 +230,7 @@ def build_gpt_model(arch: ModelArch, config: Any, *, pre_process: bool = True, p
         # the CPU; without this the plain (non-distributed) optimizer gets CPU parameters on a GPU.
         model.cuda(torch.cuda.current_device())
     set_rope_frequencies(model, arch)
+    setattr(model, "nrc_layer_spec", choice)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors/modules)
     return model
 
 
@@ -198,13 +254,17 @@ def set_rope_frequencies(model: nn.Module, arch: ModelArch) -> None:
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "LayerSpecChoice",
+    "LayerSpecName",
     "LlamaArch",
     "ModelArch",
     "SafetensorsCheckpoint",
     "build_gpt_model",
+    "choose_layer_spec",
     "expected_hf_names",
     "fused_qkv",
     "iter_hf_weights",
+    "layer_spec_kwargs",
     "load_hf_weights",
     "moe_fields",
     "read_arch",

