@@ -27,6 +27,7 @@ from nemo_rollout_correction.trainer.console import Console, RunSummary, set_cur
 EXIT_CONFIG = 2
 EXIT_TRACKING = 3
 EXIT_FAILED = 1
+# EXIT_PREEMPTED (75, a clean stop on SIGTERM/SIGINT/SIGUSR1) is defined in trainer/preemption.py
 
 
 def _resume_run_id(cfg: TrainConfig) -> str | None:
@@ -44,8 +45,17 @@ def _resume_run_id(cfg: TrainConfig) -> str | None:
 
 def run_train(overrides: Sequence[str], config_dir: str | None = None, verbose: bool = False) -> int:
     """Run the GRPO job with Hydra-style `overrides` (and a user config directory searched before conf/);
-    returns the exit code. Library output goes to `<run.output_dir>/nrc.log` (also to the terminal with
-    `verbose`); the terminal shows our progress and a closing summary (trainer/console.py)."""
+    returns the exit code (also written to `$NRC_EXIT_CODE_FILE` when set: docs/deployment.md). Library output
+    goes to `<run.output_dir>/nrc.log` (also to the terminal with `verbose`); the terminal shows our progress
+    and a closing summary (trainer/console.py)."""
+    from nemo_rollout_correction.trainer.preemption import write_exit_code
+
+    code = _run_train(overrides, config_dir, verbose)
+    write_exit_code(code)
+    return code
+
+
+def _run_train(overrides: Sequence[str], config_dir: str | None, verbose: bool) -> int:
     try:
         cfg = load_config(list(overrides), config_dir)
     except ConfigError as exc:
@@ -104,16 +114,25 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
         observer = MlflowObserver(cfg, tracker)
         console.print(f"[nrc train] MLflow run {tracker.run_id} at {tracker.tracking_uri}")
 
+    from nemo_rollout_correction.trainer import preemption
     from nemo_rollout_correction.trainer.grpo import GrpoTrainer
 
     trainer = None
     code = 0
+    # installed before the (minutes-long) model and engine start-up so a signal then is not lost: the trainer
+    # stops before its first step
+    stop = preemption.install(console.print)
     try:
         trainer = GrpoTrainer(cfg, runtime, observer, log=console.print)
         trainer.train()
-    except Exception as exc:
+        if trainer.stopped_by is not None:
+            code = preemption.EXIT_PREEMPTED
+            console.print(f"[nrc train] stopped by {trainer.stopped_by} after step {trainer.step_index}: checkpoint "
+                          f"written to {cfg.checkpoint_dir}, MLflow run KILLED; run.resume=true continues "
+                          f"(exit {code})")
+    except BaseException as exc:
         code = EXIT_FAILED
-        console.print(f"nrc train: failed at step {getattr(trainer, 'step_index', 0)}: {type(exc).__name__}: {exc}"
+        console.print(f"nrc train: failed at step {getattr(trainer, 'step_index', 0)}: {_one_line(exc)}"
                       f" (traceback in {log_path})")
         traceback.print_exc()  # fd 2: the log file
         if trainer is None and tracker is not None:  # failed before the trainer owned the run: close it here
@@ -122,6 +141,7 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
             record_error(tracker, exc, Path(cfg.run.output_dir))
             tracker.close("FAILED")
     finally:
+        stop.release()
         if trainer is not None:
             trainer.close()
         shutdown_runtime()
@@ -136,6 +156,12 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
             console.print(line)
         console.print(f"[nrc train] done: {cfg.run.num_steps} steps; outputs in {cfg.run.output_dir}")
     return code
+
+
+def _one_line(exc: BaseException) -> str:
+    """`Type: message` on one line (a CheckpointException lists every rank's error over many lines)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:2000]}"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

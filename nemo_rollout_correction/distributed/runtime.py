@@ -4,6 +4,7 @@
   one-process group when launched directly), then Megatron-Core's `parallel_state`; returns this
   rank's `Runtime` (global rank/world, the `ParallelGroups`, whether it is the logging rank).
 - `all_reduce_sums`: a step's scalar statistics summed over data x context parallelism.
+- `any_rank`: whether a flag is set on any rank (the preemption check at each step boundary).
 - `broadcast_object`: rollouts and rewards from the rank that hosts the rollout engine;
 - `all_gather_object`: every engine's rollouts and rewards when each data-parallel group hosts one;
 - `send_object` / `recv_object`: the logprobs and routing of the rows a data-parallel group trains.
@@ -116,6 +117,20 @@ def barrier() -> None:
 
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on at least one rank of the job (one 1-element MAX all-reduce).
+
+    The preemption check at each step boundary (`trainer.preemption`): a signal may reach one rank only (or
+    the ranks at different moments), and all ranks must stop after the same step. Without torch.distributed
+    it returns `flag`.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    buf = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device(None))
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    return bool(buf.item())
+
+
 def all_reduce_sums(values: dict[str, float], groups: ParallelGroups) -> dict[str, float]:
     """SUM a small dict of scalars over the data x context parallel group (one float64 all-reduce).
 
@@ -134,6 +149,7 @@ __all__ = [
     "Runtime",
     "all_gather_object",
     "all_reduce_sums",
+    "any_rank",
     "barrier",
     "broadcast_object",
     "init_runtime",

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 from torch import Tensor
 
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
+from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.trainer.checkpoint import load_data_file
 from nemo_rollout_correction.trainer.data import PromptRecord
 
 __all__ = [
@@ -118,9 +118,26 @@ def load_pending(step_dir: Path, rank: int) -> dict[str, Any] | None:
     path = pending_file(step_dir, rank)
     if not path.exists():
         return None
-    # Our own file (records and rollout dataclasses): not weights-only.
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
-    return state
+    state: dict[str, Any] = load_data_file(path)  # weights_only=True: data, never code (`RolloutPipeline.state`)
+    return {**state, "pending": [{**p, "records": [PromptRecord(**r) for r in p["records"]],
+                                  "local": _decode_local(p["local"])} for p in state["pending"]]}
+
+
+def _encode_local(local: LocalRollouts | None) -> dict[str, Any] | None:
+    """`(batch, rewards)` as dicts, lists, numbers, strings and tensors (loads with `weights_only=True`)."""
+    if local is None:
+        return None
+    batch, rewards = local
+    return {"samples": [dataclasses.asdict(s) for s in batch.samples], "n": batch.n, "seconds": batch.seconds,
+            "rewards": [float(r) for r in rewards]}
+
+
+def _decode_local(data: dict[str, Any] | None) -> LocalRollouts | None:
+    if data is None:
+        return None
+    samples = [RolloutSample(**{**s, "origin": None if s["origin"] is None else tuple(s["origin"])})
+               for s in data["samples"]]
+    return RolloutBatch(samples, n=int(data["n"]), seconds=float(data["seconds"])), list(data["rewards"])
 
 
 class RolloutPipeline:
@@ -305,14 +322,15 @@ class RolloutPipeline:
         self._pushes = []
 
     def state(self, num_engines: int) -> dict[str, Any]:
-        """This rank's in-flight batches (after `drain`) for a checkpoint: prompts, versions, local results."""
+        """This rank's in-flight batches (after `drain`) for a checkpoint: prompts, versions, local results, as plain
+        data (dicts, lists, numbers, strings, tensors) that `load_pending` reads with `weights_only=True`."""
         if any(item.future is not None for item in self.pending):
             raise RuntimeError("RolloutPipeline.state() needs drain() first")
         return {
             "num_engines": num_engines,
             "max_staleness": self.max_staleness,
-            "pending": [{"step": p.step, "records": p.records, "version": p.version, "local": p.local}
-                        for p in self.pending],
+            "pending": [{"step": p.step, "records": [dataclasses.asdict(r) for r in p.records], "version": p.version,
+                         "local": _encode_local(p.local)} for p in self.pending],
         }
 
     def close(self) -> None:

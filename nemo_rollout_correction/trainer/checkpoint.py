@@ -99,9 +99,19 @@ def describe_layout_change(saved: dict[str, Any], current: dict[str, Any]) -> st
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, numpy and torch RNG states of this process."""
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}
+    """Python, numpy and torch RNG states of this process, as tensors, numbers and strings only.
+
+    The form loads with `torch.load(weights_only=True)`: a checkpoint is data and never runs code when read
+    (`random.getstate()` and `np.random.get_state()` themselves are tuples that need a full unpickler).
+    """
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": int(version), "state": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -109,11 +119,50 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore `rng_state()`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds something other than data (a pickle that would import or call code)."""
+
+
+def load_data_file(path: Path) -> Any:
+    """`torch.load(path, weights_only=True)`: tensors, numbers, strings, lists, tuples and dicts only.
+
+    Anything else (a pickle whose objects would run code when rebuilt) is refused WITHOUT running it, with an
+    error naming the file; a truncated or unreadable file gets an error naming the file too.
+    """
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load: it is not plain data (torch.load weights_only=True: {first}). Checkpoint "
+            "files are read as data only; a file that needs arbitrary unpickling was not written by this version "
+            "or was tampered with") from exc
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise CorruptCheckpointError(path, exc) from exc
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file is truncated or unreadable; the message names it and the checkpoint to resume from."""
+
+    def __init__(self, path: Path, error: BaseException, previous: Path | None = None) -> None:
+        self.path = Path(path)
+        text = " ".join(str(error).split())[:500]
+        message = f"{path}: unreadable checkpoint file ({type(error).__name__}: {text})"
+        if previous is not None:
+            message += f"; the previous complete checkpoint is {previous}"
+        super().__init__(message)
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
@@ -313,6 +362,130 @@ def _check_format(step_dir: Path) -> None:
         raise FileNotFoundError(f"{step_dir / DIST_DIR} is missing: not a complete checkpoint")
 
 
+# torch.distributed.checkpoint's `.metadata` is a plain pickle (torch reads it with `pickle.load`), and its byte
+# items are read with `torch.load(weights_only=False)` (DefaultLoadPlanner.load_bytes): both are checked here
+# first, so that reading a checkpoint never runs code. The metadata may name only the checkpoint's own record
+# classes (torch.distributed.checkpoint.*), torch.Size, dtypes, the layout helper and paths (the checkpoint id).
+_DCP_METADATA_FUNCTIONS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                           ("pathlib", "PurePosixPath")}
+
+
+def _allowed_metadata_global(module: str, name: str) -> bool:
+    if (module, name) in _DCP_METADATA_FUNCTIONS:
+        return True
+    if module == "torch":
+        return isinstance(getattr(torch, name, None), torch.dtype)
+    if module.startswith("torch.distributed.checkpoint."):
+        import importlib
+
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return False
+        return isinstance(obj, type)  # record classes and enums only, never a function
+    return False
+
+
+def _read_dcp_metadata(path: Path) -> Any:
+    """Unpickle torch.distributed.checkpoint's `.metadata`, refusing any global outside the allowlist."""
+    import pickle
+
+    class _DataOnly(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if not _allowed_metadata_global(module, name):
+                raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
+            return super().find_class(module, name)
+
+    try:
+        with path.open("rb") as handle:
+            return _DataOnly(handle).load()
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(f"{path}: refused to load: {exc} (a checkpoint is read as data only)") from exc
+    except (EOFError, OSError, AttributeError, ValueError) as exc:
+        raise CorruptCheckpointError(path, exc) from exc
+
+
+def verify_checkpoint_files(step_dir: Path) -> None:
+    """Check that every file of the checkpoint is data before any of it is loaded (no code runs on load).
+
+    `.metadata` through an allowlist unpickler; each byte item of the shards, `common.pt` and the RNG files with
+    `torch.load(weights_only=True)`. Raises `UnsafeCheckpointError` (or `CorruptCheckpointError` for a file
+    that cannot be read), naming the file.
+    """
+    import io
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    dist_dir = Path(step_dir) / DIST_DIR
+    metadata = _read_dcp_metadata(dist_dir / ".metadata")
+    sizes: dict[str, int] = {}
+    for index, info in getattr(metadata, "storage_data", {}).items():
+        shard = dist_dir / info.relative_path
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = shard.stat().st_size if shard.is_file() else -1
+        if sizes[info.relative_path] < info.offset + info.length:  # a truncated or missing shard, named here
+            found = "missing" if sizes[info.relative_path] < 0 else f"{sizes[info.relative_path]} bytes"
+            raise CorruptCheckpointError(shard, EOFError(
+                f"truncated: item {index.fqn} ends at byte {info.offset + info.length}, the file is {found}"))
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue  # tensors: torch reads them with weights_only=True itself
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeCheckpointError(f"{shard}: item {index.fqn} is stored transformed and cannot be checked")
+        try:
+            with shard.open("rb") as handle:
+                handle.seek(info.offset)
+                data = handle.read(info.length)
+        except OSError as exc:
+            raise CorruptCheckpointError(shard, exc) from exc
+        if len(data) != info.length:
+            raise CorruptCheckpointError(shard, EOFError(f"item {index.fqn}: {len(data)} of {info.length} bytes"))
+        _load_data_bytes(shard, index.fqn, data, io.BytesIO)
+    if (dist_dir / "common.pt").exists():
+        load_data_file(dist_dir / "common.pt")
+    for rng_file in sorted((Path(step_dir) / RNG_DIR).glob("*.pt")):
+        load_data_file(rng_file)
+
+
+def _load_data_bytes(shard: Path, item: str, data: bytes, buffer: Any) -> None:
+    import pickle
+
+    try:
+        torch.load(buffer(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsafeCheckpointError(f"{shard}: item {item} refused: not plain data ({first})") from exc
+    except (RuntimeError, EOFError) as exc:
+        raise CorruptCheckpointError(shard, exc) from exc
+
+
+def _previous_complete(step_dir: Path) -> Path | None:
+    """The newest complete checkpoint before `step_dir` in its directory (for a corrupt checkpoint's message)."""
+    match = _STEP_DIR.match(Path(step_dir).name)
+    if match is None:
+        return None
+    earlier = [s for s in complete_steps(Path(step_dir).parent) if s < int(match.group(1))]
+    return Path(step_dir).parent / f"step_{earlier[-1]}" if earlier else None
+
+
+def _dist_load(request: dict[str, Any], step_dir: Path) -> dict[str, Any]:
+    """`dist_checkpointing.load` of `<step_dir>/dist` after `verify_checkpoint_files`; a shard that cannot be read
+    (torch's CheckpointException is a BaseException) becomes a `CorruptCheckpointError` naming the files and the
+    previous complete checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        verify_checkpoint_files(step_dir)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(exc.path, exc.__cause__ or exc, _previous_complete(step_dir)) from exc
+    try:
+        loaded: dict[str, Any] = dist_checkpointing.load(request, str(Path(step_dir) / DIST_DIR))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        raise CorruptCheckpointError(Path(step_dir) / DIST_DIR, exc, _previous_complete(step_dir)) from exc
+    return loaded
+
+
 def load_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], optim: Any, *, rank: int,
                     world_size: int) -> LoadReport:
     """Restore model, optimizer (when saved), LR schedule position and RNG states from `step_dir`.
@@ -323,7 +496,6 @@ def load_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
     extended with a larger `run.num_steps`). A weights-only checkpoint restores the weights and the schedule
     position; the optimizer's main params are refreshed from the loaded weights and its moments start at 0.
     """
-    from megatron.core import dist_checkpointing
 
     step_dir = Path(step_dir)
     _check_format(step_dir)
@@ -336,7 +508,7 @@ def load_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
         if has_optimizer:
             _ensure_optimizer_state(optim.optimizer)
             request["optimizer"] = _optimizer_sharded_state(optim.optimizer, model_state, is_loading=True)
-        loaded = dist_checkpointing.load(request, str(step_dir / DIST_DIR))
+        loaded = _dist_load(request, step_dir)
         with torch.no_grad():  # in-place copies into leaf parameters
             _load_model_state(chunks, loaded["model"])
             if has_optimizer:
@@ -346,7 +518,7 @@ def load_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
     _restore_scheduler(optim, loaded.get("scheduler"))
     saved_world = int(meta.get("layout", {}).get("world_size", -1))
     source = rank if saved_world == world_size and (step_dir / RNG_DIR / f"rank_{rank}.pt").is_file() else 0
-    set_rng_state(torch.load(step_dir / RNG_DIR / f"rank_{source}.pt", map_location="cpu", weights_only=False))
+    set_rng_state(load_data_file(step_dir / RNG_DIR / f"rank_{source}.pt"))
     return LoadReport(optimizer_loaded=has_optimizer, rng_source_rank=source)
 
 
@@ -409,14 +581,13 @@ def load_model_weights(step_dir: Path, model_chunks: nn.Module | Sequence[nn.Mod
     model's parameters afterwards equal the saved ones bit for bit (in the dtype they were saved in, cast
     to the model's dtype when they differ). Optimizer state, RNG and metadata are not touched.
     """
-    from megatron.core import dist_checkpointing
 
     step_dir = Path(step_dir)
     _check_format(step_dir)
     chunks = _chunks(model_chunks)
     with cuda_to_cpu():
         model_state = _model_sharded_state(chunks)
-        loaded = dist_checkpointing.load({"model": model_state}, str(step_dir / DIST_DIR))
+        loaded = _dist_load({"model": model_state}, step_dir)
         with torch.no_grad():
             _load_model_state(chunks, loaded["model"])
 
@@ -475,7 +646,9 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[int]:
 
 __all__ = [
     "FORMAT",
+    "CorruptCheckpointError",
     "LoadReport",
+    "UnsafeCheckpointError",
     "complete_steps",
     "current_layout",
     "describe_layout_change",
@@ -483,6 +656,7 @@ __all__ = [
     "finalize_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_data_file",
     "load_meta",
     "load_model_weights",
     "new_async_queue",
@@ -490,5 +664,6 @@ __all__ = [
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
+    "verify_checkpoint_files",
     "write_meta",
 ]

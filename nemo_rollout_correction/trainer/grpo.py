@@ -90,7 +90,7 @@ from nemo_rollout_correction.models.schedule import run_microbatches
 from nemo_rollout_correction.models.sources import resolve_model_source
 from nemo_rollout_correction.rollout.placement import prompt_shard, resolve_placement, shard_request_seed
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
-from nemo_rollout_correction.trainer import async_rollouts, console, evaluation, routing_replay
+from nemo_rollout_correction.trainer import async_rollouts, console, evaluation, preemption, routing_replay
 from nemo_rollout_correction.trainer import checkpoint as ckpt
 from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
@@ -257,6 +257,7 @@ class GrpoTrainer:
         # async rollouts (rollout.max_staleness >= 1): the engine-job pipeline, started by the first step
         self.pipeline: async_rollouts.RolloutPipeline | None = None
         self._restored_rollouts: tuple[list[async_rollouts.PendingBatch], bool] | None = None
+        self.stopped_by: str | None = None  # the signal that stopped `train()` early (trainer/preemption.py)
 
     def _start_engines(self) -> None:
         """Start this rank's rollout engine, if `rollout.placement` gives it one (docs/rollout.md, "engine placement").
@@ -1037,33 +1038,36 @@ class GrpoTrainer:
 
     def train(self) -> dict[str, float]:
         """Run (or resume) to `run.num_steps`; checkpoints every `checkpoint.every_n_steps` and at the end."""
-        meta = self.maybe_resume()
-        self.observer.on_start(to_dict(self.cfg), None if meta is None else meta.get("observer"))
         total = self.cfg.run.num_steps
         last: dict[str, float] = {}
         status = "FAILED"
         self.step_history: list[dict[str, float]] = []  # this process's steps, for the closing summary
-        self._progress = (StepProgress(total, self.step_index, console.current(), self.cfg.run.log_every)
-                          if self.cfg.run.progress and self.runtime.is_main else None)
-        try:
+        self._progress = None
+        stop = preemption.install(self.log)  # SIGTERM/SIGINT/SIGUSR1: stop at a step boundary (trainer/preemption.py)
+        try:  # from here on any failure, the resume's included, ends the run FAILED
+            meta = self.maybe_resume()
+            self.observer.on_start(to_dict(self.cfg), None if meta is None else meta.get("observer"))
+            self._progress = (StepProgress(total, self.step_index, console.current(), self.cfg.run.log_every)
+                              if self.cfg.run.progress and self.runtime.is_main else None)
             if self.cfg.eval.before_train and self.step_index == 0:
                 self.write_metrics(before := self.evaluate())
                 self.observer.on_eval(0, before)
-            while self.step_index < total:
+            stopping = stop.agreed()  # collective; a signal during start-up or resume stops before the first step
+            while self.step_index < total and not stopping:
                 last = self.step()
                 self._print_progress(last)
                 every = self.cfg.checkpoint.every_n_steps
-                if (every > 0 and self.step_index % every == 0) or self.step_index == total:
+                stopping = stop.agreed()  # collective: every rank stops after the same step
+                if (every > 0 and self.step_index % every == 0) or self.step_index == total or stopping:
                     self.save_checkpoint()
                 self.finalize_checkpoints()  # async saves: mark those written since the last step complete
             self.finalize_checkpoints(blocking=True)
-            if self.cfg.export.at_end:
+            self.stopped_by = stop.signal_name if stopping and self.step_index < total else None
+            if self.cfg.export.at_end and self.stopped_by is None:
                 self.export()
-            status = "FINISHED"
-        except KeyboardInterrupt:
-            status = "KILLED"
-            raise
+            status = "KILLED" if self.stopped_by else "FINISHED"
         finally:
+            stop.release()
             if self._progress is not None:
                 self._progress.close()
             self.observer.on_end(status)
