@@ -142,3 +142,77 @@ def _wait_nemo_run_status(exp_dir: Path, env: dict[str, str], timeout: float) ->
 
 def _logs(exp_dir: Path) -> str:
     return "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(exp_dir.rglob("*.out")))
+
+
+def test_time_limit_signal_checkpoints_requeues_and_finishes_in_one_mlflow_run(slurm_cluster: SlurmCluster,
+                                                                               tmp_path: Path) -> None:
+    """grpo.sbatch's preemption path (docs/deployment.md, "Preemption, time limits and exit codes") for real.
+
+    Slurm sends SIGUSR1 to the batch shell `--signal=B:USR1@150` seconds before the time limit; the ranks
+    stop after the same step, checkpoint, exit 75; the script requeues the job; the requeued attempt adds
+    run.resume=true and finishes the remaining steps in the same MLflow run. Start-up time varies with the
+    machine's load (40 s to 2 min here), so the test lets the first attempt reach step 1 with a generous
+    limit and then shortens the limit to 2 minutes: the signal is then due at once and Slurm delivers it
+    at its next time-limit check (every 30 s). Slurm holds a requeued job for about 2 minutes (BeginTime);
+    the test releases it at once and gives it a limit the remaining steps fit in.
+    """
+    out = tmp_path / "run"
+    num_steps = 16
+    env = {**job_env(slurm_cluster), "NRC_IMAGE": "none", "NRC_NPROC_PER_NODE": "1",
+           "MASTER_PORT": str(_free_port())}
+    started = time.monotonic()
+    job_id = slurm_cluster.run(
+        "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--time=00:15:00", "--signal=B:USR1@150",
+        f"--output={tmp_path}/%x-%j.out", str(SBATCH), *TINY, "rollout.max_new_tokens=32",
+        f"run.num_steps={num_steps}", f"run.output_dir={out}", "checkpoint.every_n_steps=0", env=env,
+    ).stdout.strip().split(";")[0]
+    log_file = tmp_path / f"nrc-grpo-{job_id}.out"
+
+    def job_field(name: str) -> str:
+        text = slurm_cluster.run("scontrol", "show", "job", job_id, check=False).stdout
+        return next((w.split("=", 1)[1] for w in text.split() if w.startswith(f"{name}=")), "")
+
+    def wait_for(what: str, check: Any, timeout: float = JOB_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                slurm_cluster.run("scancel", job_id, check=False)
+                log = log_file.read_text()[-4000:] if log_file.exists() else "(no log)"
+                raise AssertionError(f"timed out waiting for {what}; job {job_id} cancelled\n{log}")
+            time.sleep(2)
+
+    def steps_done() -> int:
+        return len(read_metrics(out)) if (out / "metrics.jsonl").exists() else 0
+
+    live = ("PENDING", "CONFIGURING", "RUNNING")
+    wait_for("the first attempt's first step", lambda: steps_done() >= 1 or job_field("JobState") not in live)
+    assert job_field("JobState") == "RUNNING" and job_field("Restarts") == "0", (
+        job_field("JobState"), log_file.read_text()[-4000:] if log_file.exists() else "(no log)")
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=00:02:00")
+    signalled_after = time.monotonic() - started
+    # The ranks stop, the script requeues: the job is pending again with one restart.
+    wait_for("the requeue", lambda: job_field("Restarts") == "1" and job_field("JobState") == "PENDING")
+    stopped_at = steps_done()
+    assert 1 <= stopped_at < num_steps, f"the first attempt stopped after {stopped_at} of {num_steps} steps"
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", "TimeLimit=00:15:00")
+    slurm_cluster.wait_gone(job_id, JOB_TIMEOUT)
+    print(f"\nrequeue job {job_id}: {time.monotonic() - started:.1f} s (limit shortened after {signalled_after:.0f} s, "
+          f"first attempt stopped after step {stopped_at})")
+
+    log = log_file.read_text()
+    assert "nrc-grpo: USR1 received: asking the ranks to checkpoint and stop" in log, log[-4000:]
+    assert f"requeueing job {job_id}" in log and f"restart 1 of job {job_id}: resuming" in log, log[-4000:]
+    assert slurm_cluster.sacct(job_id, "jobid,state")[0]["state"] == "COMPLETED"
+    assert_two_node_step(slurm_cluster, job_id)
+    # Every step once, in order, across the two attempts; the stop checkpointed the step it stopped after.
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, num_steps + 1))
+    assert (out / "checkpoints" / f"step_{num_steps}").is_dir()
+    # One MLflow run, continued by the resumed attempt: one history 1..N, and the run ended FINISHED.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "nemo_rollout_correction"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "loss/policy")
+    assert sorted(m.step for m in history) == list(range(1, num_steps + 1))
