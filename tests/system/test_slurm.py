@@ -68,30 +68,6 @@ def assert_two_node_step(cluster: SlurmCluster, job_id: str) -> None:
     assert any((r["nodelist"], r["ntasks"]) == ("n[1-2]", "2") for r in steps), rows
 
 
-def test_grpo_sbatch_trains_dp2_across_two_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    env = {**job_env(slurm_cluster), "NRC_IMAGE": "none", "NRC_NPROC_PER_NODE": "1",
-           "MASTER_PORT": str(_free_port())}
-    started = time.monotonic()
-    job_id = slurm_cluster.run(
-        "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--time=00:20:00",
-        f"--output={tmp_path}/%x-%j.out", str(SBATCH), *TINY, "run.num_steps=3", f"run.output_dir={out}",
-        "checkpoint.every_n_steps=0", env=env,
-    ).stdout.strip().split(";")[0]
-    slurm_cluster.wait_gone(job_id, JOB_TIMEOUT)
-    print(f"\n2-node grpo.sbatch job {job_id}: {time.monotonic() - started:.1f} s")
-    log = (tmp_path / f"nrc-grpo-{job_id}.out").read_text()
-    assert "nrc-grpo: 2 node(s) x 1 rank(s), rendezvous 127.0.0.1:" in log, log[-3000:]
-    assert_two_node_step(slurm_cluster, job_id)
-    assert "TP=1, PP=1, CP=1, DP=2" in log, log[-3000:]
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["perf/num_generated_tokens"] > 0 for r in rows)
-    # Rank 1 ran (its own log file) and the run ended with its final checkpoint.
-    assert (out / "nrc.rank1.log").exists()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())[-1].endswith("3")
-
-
 def test_nrc_launch_slurm_executor_runs_and_reports_success(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     pytest.importorskip("nemo_run", reason="nemo-run==0.11.1 is not installed (bash ci/install_nemo_run.sh)")
     out = tmp_path / "run"
@@ -119,6 +95,13 @@ def test_nrc_launch_slurm_executor_runs_and_reports_success(slurm_cluster: Slurm
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
+def _runtime_seconds(text: str) -> int:
+    """Seconds of a Slurm duration `[D-]HH:MM:SS`."""
+    days, _, clock = text.rpartition("-")
+    h, m, sec = (int(x) for x in clock.split(":"))
+    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + sec
+
+
 def _wait_nemo_run_status(exp_dir: Path, env: dict[str, str], timeout: float) -> str:
     """Poll NeMo-Run's status of the experiment's only job (a fresh process each time, as a user would
     run `nemo experiment status`) until it is no longer pending or running."""
@@ -144,17 +127,22 @@ def _logs(exp_dir: Path) -> str:
     return "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(exp_dir.rglob("*.out")))
 
 
-def test_time_limit_signal_checkpoints_requeues_and_finishes_in_one_mlflow_run(slurm_cluster: SlurmCluster,
-                                                                               tmp_path: Path) -> None:
-    """grpo.sbatch's preemption path (docs/deployment.md, "Preemption, time limits and exit codes") for real.
+def test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflow_run(slurm_cluster: SlurmCluster,
+                                                                                      tmp_path: Path) -> None:
+    """grpo.sbatch on two nodes, with its preemption path (docs/deployment.md, "Preemption, time limits and
+    exit codes") for real: one job covers both, as the cluster's CI time is short.
+
+    `sbatch --nodes=2 --gpus-per-node=0` with NRC_IMAGE=none NRC_NPROC_PER_NODE=1: one srun task per node,
+    torchrun's c10d rendezvous across the nodes over loopback, `nrc train` DP=2 on the tiny model.
 
     Slurm sends SIGUSR1 to the batch shell `--signal=B:USR1@150` seconds before the time limit; the ranks
     stop after the same step, checkpoint, exit 75; the script requeues the job; the requeued attempt adds
     run.resume=true and finishes the remaining steps in the same MLflow run. Start-up time varies with the
-    machine's load (40 s to 2 min here), so the test lets the first attempt reach step 1 with a generous
-    limit and then shortens the limit to 2 minutes: the signal is then due at once and Slurm delivers it
-    at its next time-limit check (every 30 s). Slurm holds a requeued job for about 2 minutes (BeginTime);
-    the test releases it at once and gives it a limit the remaining steps fit in.
+    machine's load (40 s to 3 min here), so the test lets the first attempt reach step 1 with a generous
+    limit and then shortens the limit to 3 to 4 minutes from now: the signal (150 s before the limit)
+    falls due within about a minute and Slurm delivers it at its next time-limit check (every 30 s).
+    Slurm holds a requeued job for about 2 minutes (BeginTime); the test releases it at once and gives it
+    a limit the remaining steps fit in.
     """
     out = tmp_path / "run"
     num_steps = 16
@@ -188,7 +176,10 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes_in_one_mlflow_run(s
     wait_for("the first attempt's first step", lambda: steps_done() >= 1 or job_field("JobState") not in live)
     assert job_field("JobState") == "RUNNING" and job_field("Restarts") == "0", (
         job_field("JobState"), log_file.read_text()[-4000:] if log_file.exists() else "(no log)")
-    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=00:02:00")
+    # The new limit leaves 3 to 4 minutes: less than the 150 s of --signal once the next minute starts, so the
+    # signal falls due within about a minute, and time enough for the stop (a checkpoint) before the limit.
+    minutes = int(_runtime_seconds(job_field("RunTime")) // 60) + 4
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}")
     signalled_after = time.monotonic() - started
     # The ranks stop, the script requeues: the job is pending again with one restart.
     wait_for("the requeue", lambda: job_field("Restarts") == "1" and job_field("JobState") == "PENDING")
@@ -200,6 +191,9 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes_in_one_mlflow_run(s
           f"first attempt stopped after step {stopped_at})")
 
     log = log_file.read_text()
+    # The two-node DP=2 job: one srun task per node, the rendezvous at the first node's address.
+    assert "nrc-grpo: 2 node(s) x 1 rank(s), rendezvous 127.0.0.1:" in log, log[-4000:]
+    assert "TP=1, PP=1, CP=1, DP=2" in log and (out / "nrc.rank1.log").exists(), log[-4000:]
     assert "nrc-grpo: USR1 received: asking the ranks to checkpoint and stop" in log, log[-4000:]
     assert f"requeueing job {job_id}" in log and f"restart 1 of job {job_id}: resuming" in log, log[-4000:]
     assert slurm_cluster.sacct(job_id, "jobid,state")[0]["state"] == "COMPLETED"
