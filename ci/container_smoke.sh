@@ -79,7 +79,8 @@ cgroup_manager = "cgroupfs"
 events_logger = "file"
 EOF
 export CONTAINERS_CONF="${conf}"
-podman_run=(podman run --rm --runtime runc --ulimit nofile=20000:20000 --ulimit nproc=32768:32768)
+# --shm-size: vLLM's engine allocates shared memory beyond the 64 MB default /dev/shm (docker run needs it too).
+podman_run=(podman run --rm --runtime runc --ulimit nofile=20000:20000 --ulimit nproc=32768:32768 --shm-size=1g)
 
 cleanup() {
   if [[ "${NRC_KEEP_IMAGES:-0}" != 1 ]]; then

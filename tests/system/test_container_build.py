@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from system_support import ROOT, require_root
 
-pytestmark = [pytest.mark.system, pytest.mark.slow]
+# A cold build (debootstrap, 4.5 GB of dependencies) takes tens of minutes; pyproject's 600 s is too short.
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 def test_cpu_image_builds_and_trains_as_the_non_root_user(tmp_path: Path) -> None:

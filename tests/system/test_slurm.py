@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from system_support import ROOT, SlurmCluster
 
-pytestmark = [pytest.mark.system, pytest.mark.slow]
+# Each job starts vLLM engines and trains for minutes; the default 600 s per test (pyproject) is too short.
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 SBATCH = ROOT / "containers" / "slurm" / "grpo.sbatch"
 # The tiny random Llama, 4 prompts x 4 samples x 16 tokens per step; micro-batches of 4 split the 16
