@@ -126,6 +126,10 @@ up() {
 
   # munge keeps its default socket (/run/munge/munge.socket.2): slurmdbd's client ignores AuthInfo=socket=.
   mkdir -p /run/munge
+  if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    echo "slurm_cluster: a munged already answers on munge's socket (another cluster?); stop it first" >&2
+    exit 1
+  fi
   start munged munged -F --force --key-file="${dir}/munge/munge.key" --pid-file="${dir}/munge/munged.pid" \
     --seed-file="${dir}/munge/munge.seed" --log-file="${dir}/log/munged.daemon.log"
   wait_for 20 munged bash -c 'munge -n | unmunge'

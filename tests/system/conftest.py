@@ -31,9 +31,9 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     directory = Path(os.environ.get("NRC_SLURM_TEST_DIR") or tmp_path_factory.mktemp("slurm"))
     env = {**os.environ, "NRC_SLURM_PORT": os.environ.get("NRC_SLURM_PORT", "16917")}
     started = time.monotonic()
-    up = subprocess.run(["bash", str(CLUSTER), "up", str(directory)], capture_output=True, text=True, env=env,
-                        timeout=900)
-    try:
+    try:  # `down` also after a failed or interrupted `up`: it stops whatever has a PID file
+        up = subprocess.run(["bash", str(CLUSTER), "up", str(directory)], capture_output=True, text=True, env=env,
+                            timeout=900)
         assert up.returncode == 0, f"ci/slurm_cluster.sh up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
         print(f"\nslurm cluster up in {time.monotonic() - started:.1f} s ({directory})")
         yield SlurmCluster(directory, {**env, "SLURM_CONF": str(directory / "slurm.conf")})

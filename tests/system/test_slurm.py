@@ -197,7 +197,9 @@ def test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflo
     assert "TP=1, PP=1, CP=1, DP=2" in log and (out / "nrc.rank1.log").exists(), log[-4000:]
     assert "nrc-grpo: USR1 received: asking the ranks to checkpoint and stop" in log, log[-4000:]
     assert f"requeueing job {job_id}" in log and f"restart 1 of job {job_id}: resuming" in log, log[-4000:]
-    assert slurm_cluster.sacct(job_id, "jobid,state")[0]["state"] == "COMPLETED"
+    # Accounting keeps one record per attempt (sacct -D): the requeued one and the completed one.
+    attempts = [r["state"] for r in slurm_cluster.sacct(job_id, "jobid,state") if r["jobid"] == job_id]
+    assert attempts == ["REQUEUED", "COMPLETED"], attempts
     assert_two_node_step(slurm_cluster, job_id)
     # Every step once, in order, across the two attempts; the stop checkpointed the step it stopped after.
     assert [r["step"] for r in read_metrics(out)] == list(range(1, num_steps + 1))
