@@ -95,7 +95,8 @@ if podman image exists "${base}"; then
   echo "container_smoke: ${base} exists; reusing it"
 else
   rm -rf "${work}/rootfs"
-  debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,python-is-python3,ca-certificates \
+  # python3-dev: the official image ships Python's headers (torch.compile's C++ wrappers include Python.h).
+  debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,python3-dev,python-is-python3,ca-certificates \
     bookworm "${work}/rootfs" "${mirror}" >"${work}/debootstrap.log" 2>&1 \
     || { tail -20 "${work}/debootstrap.log" >&2; exit 1; }
   # Like the official python images, pip installs into the system Python (no PEP 668 marker).
