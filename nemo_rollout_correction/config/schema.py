@@ -420,6 +420,8 @@ class LauncherConfig:
     account: str | None = _f(None, "Slurm account; null uses the user default.")
     time: str = _f("01:00:00", "Slurm time limit ([D-]HH:MM:SS).")
     container_mounts: list[str] = _f([], "Container mounts 'host:container[:flags]' for Slurm.")
+    gpus_per_node: int | None = _f(None, "GPUs Slurm allocates per node (--gpus-per-node); null: one per rank "
+                                   "(nproc_per_node); 0: none (CPU nodes, gloo).")
 
     def __post_init__(self) -> None:
         # The one set of launcher rules: `nrc train`'s composed config and `nrc launch` both build this class.
@@ -434,6 +436,10 @@ class LauncherConfig:
             _fail("launcher.nodes", self.nodes, "the local launcher runs on one node; use launcher=slurm")
         if not SLURM_TIME.match(self.time):
             _fail("launcher.time", self.time, "use Slurm's format [D-]HH:MM:SS, e.g. 01:30:00 or 2-00:00:00")
+        if self.gpus_per_node is not None:
+            if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int):
+                _fail("launcher.gpus_per_node", self.gpus_per_node, "must be null or an integer >= 0")
+            _at_least("launcher.gpus_per_node", self.gpus_per_node, 0)
         for i, mount in enumerate(self.container_mounts):
             if not is_container_mount(mount):
                 _fail(f"launcher.container_mounts[{i}]", mount, "use 'host_path:container_path[:flags]'")

@@ -106,7 +106,8 @@ def build_executor(
         nodes=settings.nodes,
         # One srun task per node runs torchrun, which starts nproc_per_node ranks there.
         ntasks_per_node=1,
-        gpus_per_node=settings.nproc_per_node,
+        # null: one GPU per rank; 0: CPU-only nodes (no --gpus-per-node line).
+        gpus_per_node=settings.nproc_per_node if settings.gpus_per_node is None else settings.gpus_per_node or None,
         torchrun_nproc_per_node=settings.nproc_per_node,
         container_image=settings.container_image,
         container_mounts=list(settings.container_mounts),

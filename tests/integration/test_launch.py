@@ -56,6 +56,8 @@ def test_overrides_split_launcher_keys_from_trainer_keys() -> None:
     (["launcher.nproc_per_node=0"], "launcher.nproc_per_node=0 is not allowed: must be >= 1"),
     (["launcher.nproc_per_node=two"], "launcher.nproc_per_node='two' is not allowed: must be an integer"),
     (["launcher.gpus=8"], "unknown launcher key 'gpus'"),
+    (["launcher.gpus_per_node=-1"], "launcher.gpus_per_node=-1 is not allowed: must be >= 0"),
+    (["launcher.gpus_per_node=one"], "launcher.gpus_per_node='one' is not allowed: must be an integer"),
     (["launcher.time=90min"], "launcher.time='90min' is not allowed: use Slurm's format"),
     (["launcher.container_mounts=[/data]"], "launcher.container_mounts[0]='/data' is not allowed"),
 ])
@@ -179,6 +181,19 @@ def test_nemo_run_local_executor_reports_a_failing_job(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "nrc launch: FAILED" in proc.stdout
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("override", "gpus"), [([], 8), (["launcher.gpus_per_node=4"], 4),
+                                                (["launcher.gpus_per_node=0"], None)])
+def test_slurm_executor_gpus_per_node_defaults_to_one_per_rank_and_0_requests_none(override: list[str],
+                                                                                   gpus: int | None) -> None:
+    pytest.importorskip("nemo_run", reason="nemo-run==0.11.1 is not installed (pip install nemo-run==0.11.1)")
+    from nemo_rollout_correction.launch.recipe import build_executor
+
+    settings, _ = settings_from_overrides(["launcher.name=slurm", "launcher.nproc_per_node=8", *override])
+    executor = build_executor(settings)
+    assert executor.gpus_per_node == gpus
+    assert executor.nproc_per_node() == 8  # torchrun's ranks per node do not depend on the GPU request
 
 
 def test_nemo_run_slurm_executor_dry_run_renders_the_sbatch_script(tmp_path: Path) -> None:

@@ -33,8 +33,8 @@ echo localhost
 """
 # Options of the form --name=value (the script uses only that form) are srun's and pyxis's own.
 _SRUN = """#!/usr/bin/env bash
-printf '%s\\n' "$@" > "$SRUN_ARGS_FILE"
-while [ "$#" -gt 0 ] && [[ "$1" == --*=* ]]; do shift; done
+[ "$1" = --overlap ] || printf '%s\\n' "$@" > "$SRUN_ARGS_FILE"  # the job's step, not the signal forwarder's
+while [ "$#" -gt 0 ] && [[ "$1" == --*=* || "$1" == --overlap ]]; do shift; done
 export SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0
 exec "$@"
 """
@@ -114,8 +114,14 @@ if [ "$1 $2" = "show hostnames" ]; then echo localhost; exit 0; fi
 if [ "$1" = "requeue" ]; then echo "$2" > "$REQUEUE_FILE"; exit 0; fi
 echo "stand-in scontrol: unsupported: $*" >&2; exit 2
 """
-# srun that forwards its signals to the task, as the real srun does
+# srun that forwards its signals to the task (the real srun signals every process of the step, which is why the
+# script does not signal srun; tests/system/test_slurm.py runs the real one); `srun --overlap` (the script's
+# signal forwarder, a second step) runs its command at once
 _SRUN_FORWARDING = """#!/usr/bin/env bash
+if [ "$1" = --overlap ]; then
+  shift; while [ "$#" -gt 0 ] && [[ "$1" == --*=* ]]; do shift; done
+  SLURM_NODEID=0 exec "$@"
+fi
 while [ "$#" -gt 0 ] && [[ "$1" == --*=* ]]; do shift; done
 export SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0
 "$@" &

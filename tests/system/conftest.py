@@ -1,0 +1,53 @@
+"""System tests: a real Slurm cluster on this machine (ci/slurm_cluster.sh) and a real podman build.
+
+They need root and Debian packages (the scripts install them), so they are marked `system` and run only
+when selected: `python -m pytest -m system tests/system` (ci/test.sh does, after the default lane).
+Without root they skip, unless NRC_SYSTEM_REQUIRED=1 (set by ci/test.sh), which turns the skip into a
+failure so CI cannot pass without running them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from system_support import ROOT, SlurmCluster, require_root
+
+CLUSTER = ROOT / "ci" / "slurm_cluster.sh"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """munge, MariaDB, slurmdbd, slurmctld and two slurmd nodes (n1, n2) on localhost, stopped at the end.
+
+    Its own ports (NRC_SLURM_PORT, default 16917 here) so it does not meet a cluster started by hand on
+    the script's default ports; munge's socket is machine-wide, so only one cluster runs at a time.
+    """
+    require_root("the Slurm cluster")
+    directory = Path(os.environ.get("NRC_SLURM_TEST_DIR") or tmp_path_factory.mktemp("slurm"))
+    env = {**os.environ, "NRC_SLURM_PORT": os.environ.get("NRC_SLURM_PORT", "16917")}
+    started = time.monotonic()
+    try:  # `down` also after a failed or interrupted `up`: it stops whatever has a PID file
+        up = subprocess.run(["bash", str(CLUSTER), "up", str(directory)], capture_output=True, text=True, env=env,
+                            timeout=900)
+        assert up.returncode == 0, f"ci/slurm_cluster.sh up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+        print(f"\nslurm cluster up in {time.monotonic() - started:.1f} s ({directory})")
+        yield SlurmCluster(directory, {**env, "SLURM_CONF": str(directory / "slurm.conf")})
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "down", str(directory)], capture_output=True, text=True, env=env,
+                       timeout=120, check=False)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run these tests only when the marker expression names `system` (`-m system`): a plain `pytest` as root
+    would otherwise install packages and start daemons on a developer's machine."""
+    if "system" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="system test: select with -m system (needs root; see docs/deployment.md)")
+    for item in items:
+        if item.get_closest_marker("system") is not None:
+            item.add_marker(skip)

