@@ -38,6 +38,18 @@ class CorrectedLossOutput:
     policy: PolicyLossOutput
 
 
+def policy_loss_for(rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig | None) -> PolicyLossConfig:
+    """The policy loss the correction config selects: `reinforce` (pure IS) and `cispo` override
+    `loss_cfg.loss_type` (presets choose them); `ppo_clip` keeps `loss_cfg` as given."""
+    loss_cfg = loss_cfg or PolicyLossConfig()
+    if rc_cfg.pure_is:
+        return replace(loss_cfg, loss_type="reinforce", clip_ratio_c=None)
+    if rc_cfg.loss_type == "cispo":
+        return replace(loss_cfg, loss_type="cispo", clip_ratio_c=None, cispo_ratio_low=rc_cfg.cispo_ratio_low,
+                       cispo_ratio_high=rc_cfg.cispo_ratio_high)
+    return loss_cfg
+
+
 def rollout_corrected_policy_loss(
     logprobs: Tensor,
     rollout_logprobs: Tensor,
@@ -59,7 +71,7 @@ def rollout_corrected_policy_loss(
     old_logprobs: `[batch, seq]` pi_old; required in decoupled mode, ignored in bypass mode.
     num_global_tokens / num_global_seqs: the loss denominator (see `aggregate_loss`).
     """
-    loss_cfg = loss_cfg or PolicyLossConfig()
+    loss_cfg = policy_loss_for(rc_cfg, loss_cfg)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     if rc_cfg.bypass_mode:
@@ -67,8 +79,6 @@ def rollout_corrected_policy_loss(
         reference = rollout_logprobs
         correction = compute_rollout_correction(logprobs.detach(), rollout_logprobs, loss_mask, rc_cfg,
                                                 is_weight_mean=is_weight_mean, advantages=advantages)
-        if rc_cfg.loss_type == "reinforce":
-            loss_cfg = replace(loss_cfg, loss_type="reinforce", clip_ratio_c=None)
     else:
         if old_logprobs is None:
             raise ValueError("decoupled mode (bypass_mode=false) needs old_logprobs: the trainer's re-scored "
@@ -91,4 +101,4 @@ def rollout_corrected_policy_loss(
     return CorrectedLossOutput(loss=loss, correction=correction, policy=policy)
 
 
-__all__ = ["CorrectedLossOutput", "rollout_corrected_policy_loss"]
+__all__ = ["CorrectedLossOutput", "policy_loss_for", "rollout_corrected_policy_loss"]

@@ -128,6 +128,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "kpop": {"kpop_threshold": 2.0},
     # DPPO-TV with prime-rl's defaults (dppo_mask_high = dppo_mask_low = 0.2).
     "dppo_tv": {"dppo_tv_threshold": 0.2, "dppo_tv_threshold_low": 0.2},
+    # -- the 2026 objectives (docs/math.md, "2026 off-policy objectives"); each keeps the default veto --
+    # CISPO with SkyRL's defaults (cispo_eps_clip_low 1.0, cispo_eps_clip_high 4.0: r clipped to [0, 5]),
+    # anchored on pi_old (SkyRL cispo_anchor='old') ...
+    "cispo": {"loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},
+    # ... or on pi_rollout without the old-logprob pass (cispo_anchor='rollout'; no extra IS on top).
+    "bypass_cispo": {"bypass_mode": True, "loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},
 }
 
 # Seed names that mean exactly one of the presets above.

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from nemo_rollout_correction.core.aggregation import LossAggMode, safe_divide
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
+from nemo_rollout_correction.core.objective import policy_loss_for
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, compute_policy_loss
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.distributed.correction import (
@@ -135,8 +136,8 @@ class RolloutCorrectedPolicyLoss:
 
     rc_cfg: the rollout correction (mode, IS, RS, veto, non-finite policy).
     loss_cfg: the policy loss and aggregation mode (default: PPO clip, `token-mean`). With
-        `rc_cfg.pure_is` (bypass + reinforce) the loss type is forced to `reinforce`, as in
-        `core.objective`.
+        `rc_cfg.pure_is` (bypass + reinforce) the loss type is forced to `reinforce`, with
+        `rc_cfg.loss_type='cispo'` to `cispo` (`core.objective.policy_loss_for`).
     norm_length: the constant length of `seq-mean-token-sum-norm` (default: the padded length of
         the full sequence, `local_seq * cp_size`); pass the maximum response length when
         microbatches are padded differently.
@@ -144,9 +145,7 @@ class RolloutCorrectedPolicyLoss:
 
     def __init__(self, rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig | None = None, *,
                  norm_length: float | None = None) -> None:
-        loss_cfg = loss_cfg or PolicyLossConfig()
-        if rc_cfg.pure_is:
-            loss_cfg = dataclasses.replace(loss_cfg, loss_type="reinforce", clip_ratio_c=None)
+        loss_cfg = policy_loss_for(rc_cfg, loss_cfg)
         if norm_length is not None and not norm_length > 0:
             raise ValueError(f"norm_length must be > 0, got {norm_length}")
         self.rc_cfg = rc_cfg

@@ -81,6 +81,7 @@ from nemo_rollout_correction.losses.step_plan import (
     denominator_strategy,
     finish_step,
     microbatch_loss,
+    objective_sum_keys,
     plan_step,
 )
 from nemo_rollout_correction.models.hf_export import export_hf
@@ -957,6 +958,8 @@ class GrpoTrainer:
             "optim/skipped_updates": float(sum(u.applied.skipped for u in updates)),
             "perf/train_tokens_per_s": num_tokens / max(timings["train"], 1e-9),
         }
+        for key in objective_sum_keys(self.rc_cfg):  # the objective's own (CISPO weight, rollout penalty)
+            metrics[f"loss/{key.removesuffix('_sum')}"] = mean([clipfrac(u, key) for u in updates])
         epochs = self.cfg.grpo.ppo_epochs
         if epochs > 1:  # the PPO clip acts from the second pass on: its clip fraction per epoch
             per_epoch = len(updates) // epochs
