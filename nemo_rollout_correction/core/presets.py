@@ -129,6 +129,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # DPPO-TV with prime-rl's defaults (dppo_mask_high = dppo_mask_low = 0.2).
     "dppo_tv": {"dppo_tv_threshold": 0.2, "dppo_tv_threshold_low": 0.2},
     # -- the 2026 objectives (docs/math.md, "2026 off-policy objectives"); each keeps the default veto --
+    # Lower-bounded token TIS (NeMo-RL PR #2886, truncated_importance_sampling_ratio_min): w = clamp(rho, 0.5, 2).
+    "decoupled_token_tis_lb": {
+        "rollout_is": "token",
+        "rollout_is_threshold": 2.0,
+        "rollout_is_threshold_lower": 0.5,
+        "rollout_is_two_sided": True,
+    },
     # CISPO with SkyRL's defaults (cispo_eps_clip_low 1.0, cispo_eps_clip_high 4.0: r clipped to [0, 5]),
     # anchored on pi_old (SkyRL cispo_anchor='old') ...
     "cispo": {"loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},

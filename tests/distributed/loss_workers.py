@@ -72,6 +72,8 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
     # The 2026 objectives (docs/math.md): CISPO on pi_old with token TIS on top, and on pi_rollout.
     "cispo_tis": _cfg(loss_type="cispo", cispo_ratio_low=0.9, cispo_ratio_high=1.02, rollout_is="token",
                       rollout_is_threshold=1.1),
+    "token_tis_lb": _cfg(rollout_is="token", rollout_is_two_sided=True, rollout_is_threshold=1.05,
+                         rollout_is_threshold_lower=0.95),
     "bypass_cispo": _cfg(bypass_mode=True, loss_type="cispo", cispo_ratio_low=0.95, cispo_ratio_high=1.05),
 }
 

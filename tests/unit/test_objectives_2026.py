@@ -25,7 +25,7 @@ def _inputs(seed: int = 0) -> dict[str, Tensor]:
     gen = torch.Generator().manual_seed(seed)
     logprobs = -torch.rand(ROWS, COLS, generator=gen, dtype=torch.float64) * 3.0
     old = logprobs + 0.6 * torch.randn(ROWS, COLS, generator=gen, dtype=torch.float64)
-    rollout = old + 0.3 * torch.randn(ROWS, COLS, generator=gen, dtype=torch.float64)
+    rollout = old + 0.5 * torch.randn(ROWS, COLS, generator=gen, dtype=torch.float64)
     lengths = torch.tensor([7, 5, 3, 6])
     mask = torch.arange(COLS)[None, :] < lengths[:, None]
     advantages = torch.randn(ROWS, generator=gen, dtype=torch.float64)
@@ -109,3 +109,55 @@ def test_cispo_bad_bounds_raise_naming_the_field(fields: dict[str, object], name
         with pytest.raises(ValueError, match="cispo_ratio"):
             PolicyLossConfig(loss_type="cispo", cispo_ratio_low=float(fields.get("cispo_ratio_low", 0.0)),  # type: ignore[arg-type]
                              cispo_ratio_high=float(fields.get("cispo_ratio_high", 5.0)))  # type: ignore[arg-type]
+
+
+# ---- lower-bounded TIS ------------------------------------------------------------------------------
+
+
+def nemo_rl_tis_weights(prev_logprobs: Tensor, generation_logprobs: Tensor, ratio_max: float,
+                        ratio_min: float | None) -> Tensor:
+    """NeMo-RL `truncated_importance_sampling_type: tis` after PR #2886, transcribed: the token IS weight
+    exp(prev - generation) clamped to [ratio_min, ratio_max], ratio_min defaulting to 0 when unset."""
+    weights = torch.exp(prev_logprobs - generation_logprobs)
+    return torch.clamp(weights, min=0.0 if ratio_min is None else ratio_min, max=ratio_max)
+
+
+def nemo_rl_token_loss(curr: Tensor, prev: Tensor, gen: Tensor, adv: Tensor, mask: Tensor, eps: float,
+                       ratio_max: float, ratio_min: float | None) -> Tensor:
+    """NeMo-RL's token-level ClippedPGLoss with TIS: sum(m * w * -min(rA, clip(r)A)) / sum(m)."""
+    r = torch.exp(curr - prev)
+    clipped = -torch.min(r * adv, torch.clamp(r, 1 - eps, 1 + eps) * adv)
+    w = nemo_rl_tis_weights(prev, gen, ratio_max, ratio_min)
+    return (clipped * w * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize(("preset", "overrides", "ratio_min"), [
+    ("decoupled_token_tis_lb", {}, 0.5),  # the lower bound of PR #2886
+    ("decoupled_token_is", {}, None),  # NeMo-RL's default: no lower bound (min 0)
+    ("decoupled_token_tis_lb", {"rollout_is_threshold_lower": 0.9, "rollout_is_threshold": 1.1}, 0.9),
+])
+def test_lower_bounded_tis_matches_nemo_rl(preset: str, overrides: dict[str, float], ratio_min: float | None) -> None:
+    d = _inputs(2)
+    cfg = RolloutCorrectionConfig.from_preset(preset, rollout_token_veto_threshold=None, **overrides)
+    ratio_max = cfg.rollout_is_threshold
+    mask = d["mask"].double()
+    ref = _grad(lambda lp: nemo_rl_token_loss(lp, d["old"], d["rollout"], d["advantages"], mask, 0.2, ratio_max,
+                                              ratio_min), d["logprobs"])
+    ours = _grad(lambda lp: rollout_corrected_policy_loss(lp, d["rollout"], d["advantages"], d["mask"], cfg,
+                                                          old_logprobs=d["old"]).loss, d["logprobs"])
+    # The correction's weights are float32 by design (core.correction): agreement to float32 rounding.
+    assert ours[0] == pytest.approx(ref[0], abs=1e-6)
+    torch.testing.assert_close(ours[1], ref[1], atol=1e-6, rtol=0)
+    if ratio_min is not None:  # the lower bound is active on these inputs (the test would not see it otherwise)
+        w = torch.exp(d["old"] - d["rollout"])[d["mask"]]
+        assert bool((w < ratio_min).any())
+
+
+@pytest.mark.parametrize(("fields", "name"), [
+    ({"rollout_is_threshold_lower": 3.0}, "rollout_is_threshold_lower"),
+    ({"rollout_is_threshold_lower": -0.5}, "rollout_is_threshold_lower"),
+    ({"rollout_is_threshold_lower": float("inf")}, "rollout_is_threshold_lower"),
+])
+def test_lower_bounded_tis_bad_bounds_raise_naming_the_field(fields: dict[str, float], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        RolloutCorrectionConfig.from_preset("decoupled_token_tis_lb", **fields)
