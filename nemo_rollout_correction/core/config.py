@@ -148,6 +148,9 @@ class RolloutCorrectionConfig:
     dppo_tv_threshold_low: float | None = None
     """DPPO-TV bound for advantage <= 0: reject when p_rollout - p_train exceeds it; None = dppo_tv_threshold."""
 
+    seq_logprob_error_threshold: float | None = None
+    """Reject a sequence whose mean_t exp(|log pi_train - log pi_rollout|) exceeds this (>= 1; NeMo-RL); None = off."""
+
     _criteria: tuple[RejectionCriterion, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -201,6 +204,11 @@ class RolloutCorrectionConfig:
         if self.dppo_tv_threshold_low is not None and self.dppo_tv_threshold is None:
             raise ValueError("dppo_tv_threshold_low needs dppo_tv_threshold (the bound for positive advantages); "
                              "set both or leave both null")
+        if self.seq_logprob_error_threshold is not None:
+            _check_positive("seq_logprob_error_threshold", self.seq_logprob_error_threshold)
+            if self.seq_logprob_error_threshold < 1.0:
+                raise ValueError("seq_logprob_error_threshold bounds a mean of exp(|log-ratio|) (always >= 1): it must "
+                                 f"be >= 1 (NVIDIA's recipes use 2) or null, got {self.seq_logprob_error_threshold!r}")
         object.__setattr__(self, "_criteria", _parse_rejection(self.rollout_rs, self.rollout_rs_threshold))
 
     # ---- derived views -------------------------------------------------------------------

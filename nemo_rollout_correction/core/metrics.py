@@ -26,7 +26,12 @@ from nemo_rollout_correction.core.frontier import (
     opsm_sequence_kl,
 )
 from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
-from nemo_rollout_correction.core.rejection import sequence_statistic, statistic_bounds, token_statistic
+from nemo_rollout_correction.core.rejection import (
+    seq_logprob_error,
+    sequence_statistic,
+    statistic_bounds,
+    token_statistic,
+)
 from nemo_rollout_correction.core.sequence_stats import bounded_one, token_is_weights, token_rs_rejected
 from nemo_rollout_correction.core.stats import LogHistogram, Partials
 
@@ -298,6 +303,13 @@ def sequence_metric_partials(seq: Partials, cfg: RolloutCorrectionConfig, decisi
         out.add_sum(K.OPSM_NEGATIVE_SEQS, _count(opsm_negative_advantage(seq) & has))
         out.add_sum(K.OPSM_SEQ_KL_SUM, _masked_sum(seq_kl, has))
         out.add_max(K.OPSM_SEQ_KL_MAX, _masked_max(seq_kl, has))
+    if cfg.seq_logprob_error_threshold is not None:
+        rejected = decisions["seq_lp_error"]
+        error = seq_logprob_error(seq)
+        out.add_sum(K.SEQ_LP_ERROR_REJECTED_SEQS, _count(rejected))
+        out.add_sum(K.SEQ_LP_ERROR_REJECTED_TOKENS, (num_tokens * rejected).sum())
+        out.add_sum(K.SEQ_LP_ERROR_SUM, _masked_sum(error, has))
+        out.add_max(K.SEQ_LP_ERROR_MAX, _masked_max(error, has))
     return out
 
 
@@ -446,6 +458,11 @@ def _finalize_frontier(m: dict[str, float], f: _Finalizer, cfg: RolloutCorrectio
         m["opsm_negative_advantage_seq_fraction"] = _div(f.sum(K.OPSM_NEGATIVE_SEQS), num_seqs)
         m["opsm_seq_kl_mean"] = _div(f.sum(K.OPSM_SEQ_KL_SUM), num_seqs)
         m["opsm_seq_kl_max"] = f.max(K.OPSM_SEQ_KL_MAX)
+    if cfg.seq_logprob_error_threshold is not None:
+        m["seq_logprob_error_mean"] = _div(f.sum(K.SEQ_LP_ERROR_SUM), num_seqs)
+        m["seq_logprob_error_max"] = f.max(K.SEQ_LP_ERROR_MAX)
+        m["seq_logprob_error_seq_masked_fraction"] = _div(f.sum(K.SEQ_LP_ERROR_REJECTED_SEQS), num_seqs)
+        m["seq_logprob_error_masked_fraction"] = _div(f.sum(K.SEQ_LP_ERROR_REJECTED_TOKENS), num_tokens)
     if cfg.kpop_threshold is not None:
         m["kpop_masked_fraction"] = _div(f.sum(K.KPOP_REJECTED_TOKENS), num_tokens)
         m["kpop_binary_kl_mean"] = _div(f.sum(K.KPOP_SUM), num_tokens)

@@ -136,6 +136,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout_is_threshold_lower": 0.5,
         "rollout_is_two_sided": True,
     },
+    # NeMo-RL's sequence log-prob error filter at the threshold of NVIDIA's Nemotron-3 recipes
+    # (grpo.seq_logprob_error_threshold: 2): drop a sequence whose mean exp(|log-ratio|) exceeds 2.
+    "seq_logprob_error": {"seq_logprob_error_threshold": 2.0},
     # CISPO with SkyRL's defaults (cispo_eps_clip_low 1.0, cispo_eps_clip_high 4.0: r clipped to [0, 5]),
     # anchored on pi_old (SkyRL cispo_anchor='old') ...
     "cispo": {"loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},

@@ -120,14 +120,16 @@ def rejection_is_predictable(cfg: RolloutCorrectionConfig) -> bool:
     """Whether the loss denominator depends on the rollout logprobs and loss mask alone.
 
     True when no rejection by the policy ratio can remove a token from the denominator: no RS
-    criterion, no veto, no masking IS and no OPSM / KPop / DPPO-TV mask, or
+    criterion, no veto, no masking IS, no OPSM / KPop / DPPO-TV mask and no sequence log-prob error
+    threshold, or
     `rejected_tokens_in_denominator=True`. Then
     `rollout_only_denominators` is exact in bypass mode too.
     """
     if cfg.rejected_tokens_in_denominator or cfg.metrics_only:
         return True
     masking_is = cfg.rollout_is is not None and cfg.rollout_is_mode == "mask"
-    frontier = cfg.opsm_threshold is not None or cfg.kpop_threshold is not None or cfg.dppo_tv_threshold is not None
+    frontier = (cfg.opsm_threshold is not None or cfg.kpop_threshold is not None or cfg.dppo_tv_threshold is not None
+                or cfg.seq_logprob_error_threshold is not None)
     return not (cfg.rejection_criteria or cfg.rollout_token_veto_threshold is not None or masking_is or frontier)
 
 
@@ -204,7 +206,8 @@ class RolloutCorrectedPolicyLoss:
         cfg = dataclasses.replace(self.rc_cfg, rollout_is=None, rollout_rs=None, rollout_rs_threshold=None,
                                   rollout_token_veto_threshold=None, bypass_mode=False, loss_type="ppo_clip",
                                   metrics_only=False, opsm_threshold=None, kpop_threshold=None,
-                                  dppo_tv_threshold=None, dppo_tv_threshold_low=None)
+                                  dppo_tv_threshold=None, dppo_tv_threshold_low=None,
+                                  seq_logprob_error_threshold=None)
         corrections = [distributed_rollout_correction(rollout, rollout, mask, cfg, groups)
                        for rollout, mask in microbatches]
         step = reduce_step(corrections, cfg, groups)

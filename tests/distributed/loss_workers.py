@@ -74,6 +74,7 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
                       rollout_is_threshold=1.1),
     "token_tis_lb": _cfg(rollout_is="token", rollout_is_two_sided=True, rollout_is_threshold=1.05,
                          rollout_is_threshold_lower=0.95),
+    "seq_lp_error": _cfg(seq_logprob_error_threshold=1.09),
     "bypass_cispo": _cfg(bypass_mode=True, loss_type="cispo", cispo_ratio_low=0.95, cispo_ratio_high=1.05),
 }
 

@@ -161,3 +161,55 @@ def test_lower_bounded_tis_matches_nemo_rl(preset: str, overrides: dict[str, flo
 def test_lower_bounded_tis_bad_bounds_raise_naming_the_field(fields: dict[str, float], name: str) -> None:
     with pytest.raises(ValueError, match=name):
         RolloutCorrectionConfig.from_preset("decoupled_token_tis_lb", **fields)
+
+
+# ---- sequence log-prob error threshold -------------------------------------------------------------
+
+
+def nemo_rl_seq_logprob_error_mask(prev_logprobs: Tensor, generation_logprobs: Tensor, token_mask: Tensor,
+                                   sample_mask: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
+    """NeMo-RL's `compute_and_apply_seq_logprob_error_masking` (nemo_rl/algorithms/grpo.py), transcribed on
+    the response positions: seq_mult_prob_error = sum(exp(|gen - prev| * m) * m) / clamp(sum(m), 1) with
+    m = token_mask * sample_mask; the new sample_mask keeps sequences with error <= threshold."""
+    mask = token_mask * sample_mask.unsqueeze(-1)
+    lp_error = torch.abs(generation_logprobs - prev_logprobs)
+    error = (torch.exp(lp_error * mask) * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    new_sample_mask = (error <= threshold).to(sample_mask.dtype) * sample_mask
+    return error, new_sample_mask
+
+
+@pytest.mark.parametrize("threshold", [2.0, 2.5])
+def test_seq_logprob_error_matches_nemo_rl(threshold: float) -> None:
+    d = _inputs(3)
+    d["rollout"][1] = d["old"][1] + 1.2  # a sequence far off: exp(1.2) = 3.3 per token
+    cfg = RolloutCorrectionConfig.from_preset("seq_logprob_error", seq_logprob_error_threshold=threshold,
+                                              rollout_token_veto_threshold=None)
+    mask = d["mask"].double()
+    error, sample_mask = nemo_rl_seq_logprob_error_mask(d["old"], d["rollout"], mask, torch.ones(ROWS,
+                                                        dtype=torch.float64), threshold)
+    assert 0 < int(sample_mask.sum()) < ROWS  # the filter acts on these inputs
+    keep = mask * sample_mask[:, None]
+
+    def nemo_loss(lp: Tensor) -> Tensor:  # token-level PPO clip over token_mask * sample_mask
+        r = torch.exp(lp - d["old"])
+        c = -torch.min(r * d["advantages"], torch.clamp(r, 0.8, 1.2) * d["advantages"])
+        return (c * keep).sum() / keep.sum()
+
+    ref = _grad(nemo_loss, d["logprobs"])
+    out = rollout_corrected_policy_loss(d["logprobs"], d["rollout"], d["advantages"], d["mask"], cfg,
+                                        old_logprobs=d["old"])
+    ours = _grad(lambda lp: rollout_corrected_policy_loss(lp, d["rollout"], d["advantages"], d["mask"], cfg,
+                                                          old_logprobs=d["old"]).loss, d["logprobs"])
+    assert torch.equal(out.correction.keep_mask, keep.bool())
+    assert ours[0] == pytest.approx(ref[0], abs=1e-12)
+    torch.testing.assert_close(ours[1], ref[1], atol=1e-12, rtol=0)
+    m = out.correction.metrics
+    assert m["rollout_corr/seq_logprob_error_max"] == pytest.approx(float(error.max()), rel=1e-6)
+    assert m["rollout_corr/seq_logprob_error_mean"] == pytest.approx(float(error.mean()), rel=1e-6)
+    assert m["rollout_corr/seq_logprob_error_seq_masked_fraction"] == pytest.approx(1 - float(sample_mask.mean()))
+
+
+@pytest.mark.parametrize("value", [0.5, 0.0, -1.0, float("nan"), float("inf"), True])
+def test_seq_logprob_error_bad_threshold_names_the_field(value: object) -> None:
+    with pytest.raises(ValueError, match="seq_logprob_error_threshold"):
+        RolloutCorrectionConfig(seq_logprob_error_threshold=value)  # type: ignore[arg-type]
