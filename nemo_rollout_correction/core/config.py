@@ -148,6 +148,9 @@ class RolloutCorrectionConfig:
     dppo_tv_threshold_low: float | None = None
     """DPPO-TV bound for advantage <= 0: reject when p_rollout - p_train exceeds it; None = dppo_tv_threshold."""
 
+    rollout_log_ratio_penalty: float = 0.0
+    """tau: add tau * (log pi_theta - log pi_rollout)^2 to each kept token's loss (prime-rl's kl_tau); 0 = off."""
+
     seq_logprob_error_threshold: float | None = None
     """Reject a sequence whose mean_t exp(|log pi_train - log pi_rollout|) exceeds this (>= 1; NeMo-RL); None = off."""
 
@@ -204,6 +207,7 @@ class RolloutCorrectionConfig:
         if self.dppo_tv_threshold_low is not None and self.dppo_tv_threshold is None:
             raise ValueError("dppo_tv_threshold_low needs dppo_tv_threshold (the bound for positive advantages); "
                              "set both or leave both null")
+        _check_nonnegative("rollout_log_ratio_penalty", self.rollout_log_ratio_penalty)
         if self.seq_logprob_error_threshold is not None:
             _check_positive("seq_logprob_error_threshold", self.seq_logprob_error_threshold)
             if self.seq_logprob_error_threshold < 1.0:

@@ -25,7 +25,12 @@ from torch import Tensor
 from nemo_rollout_correction.core.aggregation import Count, aggregate_loss, count_for_denominator
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import RolloutCorrectionOutput, compute_rollout_correction
-from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, PolicyLossOutput, compute_policy_loss
+from nemo_rollout_correction.core.policy_loss import (
+    PolicyLossConfig,
+    PolicyLossOutput,
+    add_rollout_log_ratio_penalty,
+    compute_policy_loss,
+)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,9 @@ def rollout_corrected_policy_loss(
     is_weights = correction.is_weights if rc_cfg.rollout_is is not None and not rc_cfg.metrics_only else None
     policy = compute_policy_loss(logprobs, reference.detach(), advantages, correction.keep_mask, loss_cfg,
                                  is_weights=is_weights)
+    if rc_cfg.rollout_log_ratio_penalty > 0:
+        policy = add_rollout_log_ratio_penalty(policy, logprobs, rollout_logprobs, correction.keep_mask,
+                                               rc_cfg.rollout_log_ratio_penalty)
     if num_global_tokens is None:
         num_global_tokens = count_for_denominator(correction.denominator_mask, "token-mean")
     if num_global_seqs is None:

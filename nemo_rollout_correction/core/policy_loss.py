@@ -28,6 +28,7 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossOutput",
     "PolicyLossType",
+    "add_rollout_log_ratio_penalty",
     "cispo_loss",
     "compute_policy_loss",
     "gspo_loss",
@@ -322,6 +323,33 @@ def reinforce_loss(
         stats["ppo_kl_sum"] = _sum64(masked[2] - logprobs, keep)
     stats["num_tokens"] = _count(keep)
     return PolicyLossOutput(per_token_loss, stats)
+
+
+def add_rollout_log_ratio_penalty(
+    out: PolicyLossOutput, logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, coef: float
+) -> PolicyLossOutput:
+    """``out`` plus the squared log-ratio penalty towards the rollout policy on the kept tokens.
+
+    ``penalty = coef * (logprobs - sg(rollout_logprobs))**2`` per token (gradient
+    ``2 * coef * (logprobs - rollout_logprobs)``), not multiplied by the IS weights: prime-rl's
+    ``kl_tau * log_importance_ratio**2`` (after Kimi K2.5), a trust region towards the policy that
+    sampled the data that stays smooth where a clip or mask would be a step. Adds the partial sum
+    ``rollout_sq_log_ratio_sum`` (sum of the squared log-ratios over kept tokens).
+
+    Args:
+        out: the policy loss of the same tokens.
+        logprobs: ``[batch, seq]`` pi_theta, with gradient.
+        rollout_logprobs: ``[batch, seq]`` pi_rollout (may be NaN/inf outside ``mask``).
+        mask: ``[batch, seq]`` keep mask.
+        coef: tau >= 0.
+    """
+    if not (coef >= 0.0 and math.isfinite(coef)):
+        raise ValueError(f"rollout_log_ratio_penalty must be a finite number >= 0, got {coef}")
+    keep, (logprobs, rollout_logprobs) = _mask_inputs(mask, logprobs=logprobs, rollout_logprobs=rollout_logprobs)
+    sq_log_ratio = (logprobs - rollout_logprobs.detach()).square()
+    penalty = torch.where(keep, coef * sq_log_ratio, torch.zeros_like(sq_log_ratio))
+    stats = {**out.stats, "rollout_sq_log_ratio_sum": _sum64(sq_log_ratio, keep)}
+    return PolicyLossOutput(out.per_token_loss + penalty, stats)
 
 
 def stats_to_means(stats: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -139,6 +139,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     # NeMo-RL's sequence log-prob error filter at the threshold of NVIDIA's Nemotron-3 recipes
     # (grpo.seq_logprob_error_threshold: 2): drop a sequence whose mean exp(|log-ratio|) exceeds 2.
     "seq_logprob_error": {"seq_logprob_error_threshold": 2.0},
+    # prime-rl's default loss ("DPPO+KL", default_loss_fn): off-policy policy gradient against pi_rollout with
+    # the (unbounded) token ratio, the DPPO binary-TV mask at 0.2 / 0.2 and kl_tau = 1e-3 on (log pi_theta -
+    # log pi_rollout)^2; no veto (prime-rl has none). The ratio bound 1e6 only guards overflow.
+    "bypass_pg_dppo_kl": {
+        "bypass_mode": True,
+        "loss_type": "reinforce",
+        "rollout_is": "token",
+        "rollout_is_threshold": 1e6,
+        "dppo_tv_threshold": 0.2,
+        "dppo_tv_threshold_low": 0.2,
+        "rollout_log_ratio_penalty": 1e-3,
+        "rollout_token_veto_threshold": None,
+    },
     # CISPO with SkyRL's defaults (cispo_eps_clip_low 1.0, cispo_eps_clip_high 4.0: r clipped to [0, 5]),
     # anchored on pi_old (SkyRL cispo_anchor='old') ...
     "cispo": {"loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},

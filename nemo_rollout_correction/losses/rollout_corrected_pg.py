@@ -45,7 +45,11 @@ from torch import Tensor
 from nemo_rollout_correction.core.aggregation import LossAggMode, safe_divide
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.objective import policy_loss_for
-from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, compute_policy_loss
+from nemo_rollout_correction.core.policy_loss import (
+    PolicyLossConfig,
+    add_rollout_log_ratio_penalty,
+    compute_policy_loss,
+)
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.distributed.correction import (
     NUM_DENOMINATOR_SEQS,
@@ -269,6 +273,9 @@ class RolloutCorrectedPolicyLoss:
         keep = correction.keep_mask
         policy = compute_policy_loss(logprobs, reference.detach(), advantages, keep, self.loss_cfg,
                                      is_weights=correction.is_weights if use_weights else None)
+        if cfg.rollout_log_ratio_penalty > 0:
+            policy = add_rollout_log_ratio_penalty(policy, logprobs, rollout_logprobs, keep,
+                                                   cfg.rollout_log_ratio_penalty)
         loss_sum, num_denominator = self._numerator(policy.per_token_loss, correction, groups)
         if self.agg_mode == "token-sum":
             loss = loss_sum

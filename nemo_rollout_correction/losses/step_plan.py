@@ -65,6 +65,8 @@ def objective_sum_keys(cfg: RolloutCorrectionConfig) -> tuple[str, ...]:
     keys: tuple[str, ...] = ()
     if cfg.loss_type == "cispo":
         keys += ("cispo_weight_sum",)
+    if cfg.rollout_log_ratio_penalty > 0:
+        keys += ("rollout_sq_log_ratio_sum",)
     return keys
 
 

@@ -75,6 +75,9 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
     "token_tis_lb": _cfg(rollout_is="token", rollout_is_two_sided=True, rollout_is_threshold=1.05,
                          rollout_is_threshold_lower=0.95),
     "seq_lp_error": _cfg(seq_logprob_error_threshold=1.09),
+    "bypass_dppo_kl": _cfg(bypass_mode=True, loss_type="reinforce", rollout_is="token", rollout_is_threshold=1e6,
+                           dppo_tv_threshold=0.2, dppo_tv_threshold_low=0.2, rollout_log_ratio_penalty=0.05,
+                           nonfinite_policy="mask_token"),
     "bypass_cispo": _cfg(bypass_mode=True, loss_type="cispo", cispo_ratio_low=0.95, cispo_ratio_high=1.05),
 }
 

@@ -213,3 +213,69 @@ def test_seq_logprob_error_matches_nemo_rl(threshold: float) -> None:
 def test_seq_logprob_error_bad_threshold_names_the_field(value: object) -> None:
     with pytest.raises(ValueError, match="seq_logprob_error_threshold"):
         RolloutCorrectionConfig(seq_logprob_error_threshold=value)  # type: ignore[arg-type]
+
+
+# ---- squared log-ratio penalty towards the rollout policy (prime-rl) ------------------------------------
+
+
+def prime_rl_default_loss(trainer_logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor,
+                          loss_mask: Tensor, dppo_mask_low: float, dppo_mask_high: float, kl_tau: float,
+                          loss_scale: float) -> Tensor:
+    """prime-rl's `default_loss_fn` ("DPPO+KL"), transcribed (src/prime_rl/trainer/rl/loss.py): DPPO binary-TV
+    keep mask by advantage sign, pg = keep * A * ratio, kl = loss_mask * log_ratio**2, loss = sum(-pg + tau*kl)."""
+    probs_diff = torch.exp(trainer_logprobs) - torch.exp(inference_logprobs)
+    invalid = torch.where(advantages > 0, probs_diff > dppo_mask_high, probs_diff < -dppo_mask_low)
+    keep = loss_mask & ~invalid
+    log_ratio = trainer_logprobs - inference_logprobs
+    ratio = torch.exp(log_ratio)
+    pg_loss = keep * advantages * ratio
+    kl_loss = loss_mask * log_ratio**2
+    return (-pg_loss + kl_tau * kl_loss).sum() / loss_scale
+
+
+@pytest.mark.parametrize("tau", [1e-3, 0.5])
+def test_rollout_log_ratio_penalty_matches_prime_rl_default_loss(tau: float) -> None:
+    """The `bypass_pg_dppo_kl` preset has prime-rl's gradient. prime-rl's pg term is -A * ratio (value), ours
+    -sg(ratio) * A * log pi (the same gradient), so gradients are compared, and the penalty value on its own."""
+    d = _inputs(4)
+    d["rollout"] = d["logprobs"] + 0.3 * torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(9),
+                                                      dtype=torch.float64)
+    cfg = RolloutCorrectionConfig.from_preset("bypass_pg_dppo_kl", rollout_log_ratio_penalty=tau,
+                                              dppo_tv_threshold=1.0, dppo_tv_threshold_low=1.0)  # nothing masked
+    n = float(d["mask"].sum())
+    ref = _grad(lambda lp: prime_rl_default_loss(lp, d["rollout"], d["advantages"], d["mask"], 1.0, 1.0, tau, n),
+                d["logprobs"])
+    out = _grad(lambda lp: rollout_corrected_policy_loss(lp, d["rollout"], d["advantages"], d["mask"], cfg).loss,
+                d["logprobs"])
+    torch.testing.assert_close(out[1], ref[1], atol=1e-6, rtol=0)  # float32 IS weights
+    kl_only = _grad(lambda lp: prime_rl_default_loss(lp, d["rollout"], torch.zeros_like(d["advantages"]), d["mask"],
+                                                     1.0, 1.0, tau, n), d["logprobs"])
+    no_adv = _grad(lambda lp: rollout_corrected_policy_loss(lp, d["rollout"], torch.zeros_like(d["advantages"]),
+                                                            d["mask"], cfg).loss, d["logprobs"])
+    assert no_adv[0] == pytest.approx(kl_only[0], abs=1e-12)
+    torch.testing.assert_close(no_adv[1], kl_only[1], atol=1e-12, rtol=0)
+
+
+def test_rollout_log_ratio_penalty_with_dppo_masking_differs_only_on_masked_tokens() -> None:
+    """With the DPPO mask active, prime-rl still penalises the masked tokens; we penalise kept tokens only
+    (docs/differences.md). The gradients then differ exactly by prime-rl's penalty gradient on masked tokens."""
+    d = _inputs(5)
+    d["rollout"] = d["logprobs"] + 0.8 * torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(7),
+                                                      dtype=torch.float64)
+    cfg = RolloutCorrectionConfig.from_preset("bypass_pg_dppo_kl", rejected_tokens_in_denominator=True)
+    n = float(d["mask"].sum())
+    ref = _grad(lambda lp: prime_rl_default_loss(lp, d["rollout"], d["advantages"], d["mask"], 0.2, 0.2, 1e-3, n),
+                d["logprobs"])
+    out = rollout_corrected_policy_loss(d["logprobs"], d["rollout"], d["advantages"], d["mask"], cfg)
+    masked = d["mask"] & ~out.correction.keep_mask
+    assert bool(masked.any())
+    ours = _grad(lambda lp: rollout_corrected_policy_loss(lp, d["rollout"], d["advantages"], d["mask"], cfg).loss,
+                 d["logprobs"])
+    penalty_grad_masked = torch.where(masked, 2e-3 * (d["logprobs"] - d["rollout"]) / n, 0.0)
+    torch.testing.assert_close(ours[1] + penalty_grad_masked, ref[1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("value", [-1e-3, float("nan"), float("inf")])
+def test_rollout_log_ratio_penalty_bad_value_names_the_field(value: float) -> None:
+    with pytest.raises(ValueError, match="rollout_log_ratio_penalty"):
+        RolloutCorrectionConfig(rollout_log_ratio_penalty=value)
