@@ -398,7 +398,8 @@ def _add_seq_value_stats(out: Partials, key: str, values: Tensor, has: Tensor) -
 
 
 def finalize_metrics(partials: Partials, cfg: RolloutCorrectionConfig) -> dict[str, float]:
-    """Turn (reduced) partials into `rollout_corr/<name>` floats; never NaN, 0.0 when undefined."""
+    """Turn (reduced) partials into `rollout_corr/<name>` floats: a ratio over an empty population is 0.0,
+    except `prob_pearson`, which is NaN where Pearson's r is undefined (docs/metrics.md)."""
     f = _Finalizer(partials)
     m: dict[str, float] = {}
     num_tokens, num_seqs = f.sum(K.NUM_VALID_TOKENS), f.sum(K.NUM_VALID_SEQS)
@@ -477,20 +478,23 @@ def _finalize_frontier(m: dict[str, float], f: _Finalizer, cfg: RolloutCorrectio
 
 
 def prob_pearson(n: float, sum_p: float, sum_q: float, sum_pp: float, sum_qq: float, sum_pq: float) -> float:
-    """Pearson's r of (p, q) from its mergeable sums; 0.0 when undefined (n < 2 or a constant side).
+    """Pearson's r of (p, q) from its mergeable sums; NaN when undefined (n < 2 or a constant side).
+
+    Undefined is reported as NaN, never as 0.0, which would read as "no correlation" (issue 24: a tiny
+    model whose token probabilities are near-constant logged 0.0 on every step).
 
     Centred second moments from raw sums: S_pq = sum pq - sum p * sum q / n (in float64, from sums
     accumulated in float32). A variance below 1e-6 of the raw sum of squares is within the float32
     rounding of a constant side, where r is undefined.
     """
     if n < 2:
-        return 0.0
+        return math.nan
     s_pq = sum_pq - sum_p * sum_q / n
     s_pp = sum_pp - sum_p * sum_p / n
     s_qq = sum_qq - sum_q * sum_q / n
     # A centred sum of squares within float32 accumulation error of the raw one: a constant side.
     if s_pp <= _CONSTANT_RTOL * sum_pp or s_qq <= _CONSTANT_RTOL * sum_qq:
-        return 0.0
+        return math.nan
     return max(-1.0, min(1.0, s_pq / math.sqrt(s_pp * s_qq)))
 
 
