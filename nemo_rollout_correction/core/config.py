@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 IsLevel = Literal["token", "sequence", "geometric"]
 IsMode = Literal["truncate", "mask"]
-LossType = Literal["ppo_clip", "reinforce"]
+LossType = Literal["ppo_clip", "reinforce", "cispo"]
 NonFinitePolicy = Literal["raise", "mask_token", "reject_sequence"]
 OldLogprobSource = Literal["forward", "loglinear"]
 RsStatistic = Literal["k1", "k2", "k3"]
@@ -115,7 +115,13 @@ class RolloutCorrectionConfig:
     (0: never)."""
 
     loss_type: LossType = "ppo_clip"
-    """Policy loss: `ppo_clip`, or `reinforce` (with bypass_mode: pure IS, -sg(w) * A * log pi_theta, no clipping)."""
+    """Policy loss: `ppo_clip`, `reinforce` (bypass only: pure IS, -sg(w) * A * log pi_theta) or `cispo` (math.md)."""
+
+    cispo_ratio_low: float = 0.0
+    """CISPO: lower bound on the ratio r before the stop-gradient (0 = no lower bound, ScaleRL / SkyRL default)."""
+
+    cispo_ratio_high: float = 5.0
+    """CISPO: upper bound on the ratio r (5.0 = SkyRL's default 1 + cispo_eps_clip_high = 1 + 4)."""
 
     metrics_only: bool = False
     """Compute every diagnostic but apply nothing: weights are 1 and only the non-finite policy edits the mask."""
@@ -141,6 +147,12 @@ class RolloutCorrectionConfig:
 
     dppo_tv_threshold_low: float | None = None
     """DPPO-TV bound for advantage <= 0: reject when p_rollout - p_train exceeds it; None = dppo_tv_threshold."""
+
+    rollout_log_ratio_penalty: float = 0.0
+    """tau: add tau * (log pi_theta - log pi_rollout)^2 to each kept token's loss (prime-rl's kl_tau); 0 = off."""
+
+    seq_logprob_error_threshold: float | None = None
+    """Reject a sequence whose mean_t exp(|log pi_train - log pi_rollout|) exceeds this (>= 1; NeMo-RL); None = off."""
 
     _criteria: tuple[RejectionCriterion, ...] = field(default=(), init=False, repr=False, compare=False)
 
@@ -175,6 +187,11 @@ class RolloutCorrectionConfig:
             raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='ppo_clip': the PPO "
                              "ratio pi_theta/pi_rollout already is the IS correction (weights would apply twice); "
                              "use loss_type='reinforce' for explicit IS weights")
+        if self.bypass_mode and self.loss_type == "cispo" and self.rollout_is is not None:
+            raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='cispo': CISPO's clipped "
+                             "ratio pi_theta/pi_rollout already is the IS correction (SkyRL's cispo_anchor='rollout' "
+                             "refuses TIS for the same reason)")
+        _check_cispo_bounds(self.cispo_ratio_low, self.cispo_ratio_high)
         if self.loss_type == "reinforce" and not self.bypass_mode:
             raise ValueError("loss_type='reinforce' (pure IS) needs bypass_mode=true; in decoupled mode choose "
                              "the policy loss with PolicyLossConfig.loss_type")
@@ -190,6 +207,12 @@ class RolloutCorrectionConfig:
         if self.dppo_tv_threshold_low is not None and self.dppo_tv_threshold is None:
             raise ValueError("dppo_tv_threshold_low needs dppo_tv_threshold (the bound for positive advantages); "
                              "set both or leave both null")
+        _check_nonnegative("rollout_log_ratio_penalty", self.rollout_log_ratio_penalty)
+        if self.seq_logprob_error_threshold is not None:
+            _check_positive("seq_logprob_error_threshold", self.seq_logprob_error_threshold)
+            if self.seq_logprob_error_threshold < 1.0:
+                raise ValueError("seq_logprob_error_threshold bounds a mean of exp(|log-ratio|) (always >= 1): it must "
+                                 f"be >= 1 (NVIDIA's recipes use 2) or null, got {self.seq_logprob_error_threshold!r}")
         object.__setattr__(self, "_criteria", _parse_rejection(self.rollout_rs, self.rollout_rs_threshold))
 
     # ---- derived views -------------------------------------------------------------------
@@ -276,6 +299,14 @@ def _check_old_logprob_source(source: str, check_every: object, bypass_mode: boo
     if check_every and source != "loglinear":
         raise ValueError(f"loglinear_check_every={check_every} only applies with old_logprob_source='loglinear' "
                          f"(got {source!r}); set it to 0")
+
+
+def _check_cispo_bounds(low: object, high: object) -> None:
+    _check_nonnegative("cispo_ratio_low", low)
+    _check_positive("cispo_ratio_high", high)
+    assert isinstance(low, (int, float)) and isinstance(high, (int, float))  # checked just above
+    if low > high:
+        raise ValueError(f"cispo_ratio_low ({low:g}) must be <= cispo_ratio_high ({high:g}): they bound the ratio r")
 
 
 def _check_positive(name: str, value: object) -> None:

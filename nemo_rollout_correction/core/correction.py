@@ -30,7 +30,7 @@ from nemo_rollout_correction.core.metrics import (
     sequence_metric_partials,
     token_metric_partials,
 )
-from nemo_rollout_correction.core.rejection import sequence_rejected, vetoed
+from nemo_rollout_correction.core.rejection import seq_logprob_error_rejected, sequence_rejected, vetoed
 from nemo_rollout_correction.core.sequence_stats import (
     chunk_sequence_partials,
     token_is_weights,
@@ -316,6 +316,10 @@ def _finish_chunk(
         decisions["opsm"] = opsm_rejected(seq, cfg)
         if apply:
             seq_keep &= ~decisions["opsm"]
+    if cfg.seq_logprob_error_threshold is not None:
+        decisions["seq_lp_error"] = seq_logprob_error_rejected(seq, cfg.seq_logprob_error_threshold)
+        if apply:
+            seq_keep &= ~decisions["seq_lp_error"]
 
     seq_weight: Tensor | None = None
     if cfg.rollout_is in ("sequence", "geometric"):

@@ -64,3 +64,13 @@ PROB_SUM_ROLLOUT = "prob:sum_rollout"
 PROB_SUM_TRAIN_SQ = "prob:sum_train_sq"
 PROB_SUM_ROLLOUT_SQ = "prob:sum_rollout_sq"
 PROB_SUM_CROSS = "prob:sum_cross"
+
+# -- sequence log-prob error (NeMo-RL seq_logprob_error_threshold) -------------------------------
+SUM_EXP_ABS_LOG_RATIO = "sum_exp_abs_log_ratio"
+"""Per-sequence (phase 1) SUM of exp(|clamped log-ratio|) over valid tokens."""
+SEQ_LP_ERROR_SUM = "seq_lp_error:sum"
+"""The per-sequence statistic summed over valid sequences."""
+SEQ_LP_ERROR_MAX = "seq_lp_error:max"
+"""MAX: the largest per-sequence statistic."""
+SEQ_LP_ERROR_REJECTED_SEQS = "seq_lp_error:rejected_seqs"
+SEQ_LP_ERROR_REJECTED_TOKENS = "seq_lp_error:rejected_tokens"

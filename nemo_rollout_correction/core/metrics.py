@@ -26,7 +26,12 @@ from nemo_rollout_correction.core.frontier import (
     opsm_sequence_kl,
 )
 from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
-from nemo_rollout_correction.core.rejection import sequence_statistic, statistic_bounds, token_statistic
+from nemo_rollout_correction.core.rejection import (
+    seq_logprob_error,
+    sequence_statistic,
+    statistic_bounds,
+    token_statistic,
+)
 from nemo_rollout_correction.core.sequence_stats import bounded_one, token_is_weights, token_rs_rejected
 from nemo_rollout_correction.core.stats import LogHistogram, Partials
 
@@ -298,6 +303,13 @@ def sequence_metric_partials(seq: Partials, cfg: RolloutCorrectionConfig, decisi
         out.add_sum(K.OPSM_NEGATIVE_SEQS, _count(opsm_negative_advantage(seq) & has))
         out.add_sum(K.OPSM_SEQ_KL_SUM, _masked_sum(seq_kl, has))
         out.add_max(K.OPSM_SEQ_KL_MAX, _masked_max(seq_kl, has))
+    if cfg.seq_logprob_error_threshold is not None:
+        rejected = decisions["seq_lp_error"]
+        error = seq_logprob_error(seq)
+        out.add_sum(K.SEQ_LP_ERROR_REJECTED_SEQS, _count(rejected))
+        out.add_sum(K.SEQ_LP_ERROR_REJECTED_TOKENS, (num_tokens * rejected).sum())
+        out.add_sum(K.SEQ_LP_ERROR_SUM, _masked_sum(error, has))
+        out.add_max(K.SEQ_LP_ERROR_MAX, _masked_max(error, has))
     return out
 
 
@@ -386,7 +398,8 @@ def _add_seq_value_stats(out: Partials, key: str, values: Tensor, has: Tensor) -
 
 
 def finalize_metrics(partials: Partials, cfg: RolloutCorrectionConfig) -> dict[str, float]:
-    """Turn (reduced) partials into `rollout_corr/<name>` floats; never NaN, 0.0 when undefined."""
+    """Turn (reduced) partials into `rollout_corr/<name>` floats: a ratio over an empty population is 0.0,
+    except `prob_pearson`, which is NaN where Pearson's r is undefined (docs/metrics.md)."""
     f = _Finalizer(partials)
     m: dict[str, float] = {}
     num_tokens, num_seqs = f.sum(K.NUM_VALID_TOKENS), f.sum(K.NUM_VALID_SEQS)
@@ -446,6 +459,11 @@ def _finalize_frontier(m: dict[str, float], f: _Finalizer, cfg: RolloutCorrectio
         m["opsm_negative_advantage_seq_fraction"] = _div(f.sum(K.OPSM_NEGATIVE_SEQS), num_seqs)
         m["opsm_seq_kl_mean"] = _div(f.sum(K.OPSM_SEQ_KL_SUM), num_seqs)
         m["opsm_seq_kl_max"] = f.max(K.OPSM_SEQ_KL_MAX)
+    if cfg.seq_logprob_error_threshold is not None:
+        m["seq_logprob_error_mean"] = _div(f.sum(K.SEQ_LP_ERROR_SUM), num_seqs)
+        m["seq_logprob_error_max"] = f.max(K.SEQ_LP_ERROR_MAX)
+        m["seq_logprob_error_seq_masked_fraction"] = _div(f.sum(K.SEQ_LP_ERROR_REJECTED_SEQS), num_seqs)
+        m["seq_logprob_error_masked_fraction"] = _div(f.sum(K.SEQ_LP_ERROR_REJECTED_TOKENS), num_tokens)
     if cfg.kpop_threshold is not None:
         m["kpop_masked_fraction"] = _div(f.sum(K.KPOP_REJECTED_TOKENS), num_tokens)
         m["kpop_binary_kl_mean"] = _div(f.sum(K.KPOP_SUM), num_tokens)
@@ -460,20 +478,23 @@ def _finalize_frontier(m: dict[str, float], f: _Finalizer, cfg: RolloutCorrectio
 
 
 def prob_pearson(n: float, sum_p: float, sum_q: float, sum_pp: float, sum_qq: float, sum_pq: float) -> float:
-    """Pearson's r of (p, q) from its mergeable sums; 0.0 when undefined (n < 2 or a constant side).
+    """Pearson's r of (p, q) from its mergeable sums; NaN when undefined (n < 2 or a constant side).
+
+    Undefined is reported as NaN, never as 0.0, which would read as "no correlation" (issue 24: a tiny
+    model whose token probabilities are near-constant logged 0.0 on every step).
 
     Centred second moments from raw sums: S_pq = sum pq - sum p * sum q / n (in float64, from sums
     accumulated in float32). A variance below 1e-6 of the raw sum of squares is within the float32
     rounding of a constant side, where r is undefined.
     """
     if n < 2:
-        return 0.0
+        return math.nan
     s_pq = sum_pq - sum_p * sum_q / n
     s_pp = sum_pp - sum_p * sum_p / n
     s_qq = sum_qq - sum_q * sum_q / n
     # A centred sum of squares within float32 accumulation error of the raw one: a constant side.
     if s_pp <= _CONSTANT_RTOL * sum_pp or s_qq <= _CONSTANT_RTOL * sum_qq:
-        return 0.0
+        return math.nan
     return max(-1.0, min(1.0, s_pq / math.sqrt(s_pp * s_qq)))
 
 

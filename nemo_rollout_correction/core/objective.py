@@ -25,7 +25,12 @@ from torch import Tensor
 from nemo_rollout_correction.core.aggregation import Count, aggregate_loss, count_for_denominator
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import RolloutCorrectionOutput, compute_rollout_correction
-from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, PolicyLossOutput, compute_policy_loss
+from nemo_rollout_correction.core.policy_loss import (
+    PolicyLossConfig,
+    PolicyLossOutput,
+    add_rollout_log_ratio_penalty,
+    compute_policy_loss,
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,18 @@ class CorrectedLossOutput:
     loss: Tensor
     correction: RolloutCorrectionOutput
     policy: PolicyLossOutput
+
+
+def policy_loss_for(rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig | None) -> PolicyLossConfig:
+    """The policy loss the correction config selects: `reinforce` (pure IS) and `cispo` override
+    `loss_cfg.loss_type` (presets choose them); `ppo_clip` keeps `loss_cfg` as given."""
+    loss_cfg = loss_cfg or PolicyLossConfig()
+    if rc_cfg.pure_is:
+        return replace(loss_cfg, loss_type="reinforce", clip_ratio_c=None)
+    if rc_cfg.loss_type == "cispo":
+        return replace(loss_cfg, loss_type="cispo", clip_ratio_c=None, cispo_ratio_low=rc_cfg.cispo_ratio_low,
+                       cispo_ratio_high=rc_cfg.cispo_ratio_high)
+    return loss_cfg
 
 
 def rollout_corrected_policy_loss(
@@ -59,7 +76,7 @@ def rollout_corrected_policy_loss(
     old_logprobs: `[batch, seq]` pi_old; required in decoupled mode, ignored in bypass mode.
     num_global_tokens / num_global_seqs: the loss denominator (see `aggregate_loss`).
     """
-    loss_cfg = loss_cfg or PolicyLossConfig()
+    loss_cfg = policy_loss_for(rc_cfg, loss_cfg)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     if rc_cfg.bypass_mode:
@@ -67,8 +84,6 @@ def rollout_corrected_policy_loss(
         reference = rollout_logprobs
         correction = compute_rollout_correction(logprobs.detach(), rollout_logprobs, loss_mask, rc_cfg,
                                                 is_weight_mean=is_weight_mean, advantages=advantages)
-        if rc_cfg.loss_type == "reinforce":
-            loss_cfg = replace(loss_cfg, loss_type="reinforce", clip_ratio_c=None)
     else:
         if old_logprobs is None:
             raise ValueError("decoupled mode (bypass_mode=false) needs old_logprobs: the trainer's re-scored "
@@ -81,6 +96,9 @@ def rollout_corrected_policy_loss(
     is_weights = correction.is_weights if rc_cfg.rollout_is is not None and not rc_cfg.metrics_only else None
     policy = compute_policy_loss(logprobs, reference.detach(), advantages, correction.keep_mask, loss_cfg,
                                  is_weights=is_weights)
+    if rc_cfg.rollout_log_ratio_penalty > 0:
+        policy = add_rollout_log_ratio_penalty(policy, logprobs, rollout_logprobs, correction.keep_mask,
+                                               rc_cfg.rollout_log_ratio_penalty)
     if num_global_tokens is None:
         num_global_tokens = count_for_denominator(correction.denominator_mask, "token-mean")
     if num_global_seqs is None:
@@ -91,4 +109,4 @@ def rollout_corrected_policy_loss(
     return CorrectedLossOutput(loss=loss, correction=correction, policy=policy)
 
 
-__all__ = ["CorrectedLossOutput", "rollout_corrected_policy_loss"]
+__all__ = ["CorrectedLossOutput", "policy_loss_for", "rollout_corrected_policy_loss"]

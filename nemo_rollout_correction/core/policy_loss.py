@@ -14,6 +14,7 @@ output is masked afterwards.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -27,6 +28,8 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossOutput",
     "PolicyLossType",
+    "add_rollout_log_ratio_penalty",
+    "cispo_loss",
     "compute_policy_loss",
     "gspo_loss",
     "ppo_clip_loss",
@@ -34,7 +37,7 @@ __all__ = [
     "stats_to_means",
 ]
 
-PolicyLossType = Literal["ppo_clip", "gspo", "reinforce"]
+PolicyLossType = Literal["ppo_clip", "gspo", "reinforce", "cispo"]
 POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
 
 # Log-ratios are clamped before exp (DESIGN decision 3): an overflow caps instead of becoming inf.
@@ -56,7 +59,7 @@ class PolicyLossConfig:
     """Which policy loss to use and how to clip and reduce it."""
 
     loss_type: PolicyLossType = "ppo_clip"
-    """``ppo_clip`` (PPO, optional dual clip), ``gspo`` (sequence-level ratio) or ``reinforce``."""
+    """``ppo_clip`` (PPO, optional dual clip), ``gspo`` (sequence-level ratio), ``reinforce`` or ``cispo``."""
     clip_ratio_low: float = 0.2
     """eps_low: the ratio is clipped below at ``1 - clip_ratio_low``; in [0, 1)."""
     clip_ratio_high: float = 0.2
@@ -65,6 +68,10 @@ class PolicyLossConfig:
     """Dual-clip constant for negative advantages (> 1, typically 3.0); ``None`` disables it."""
     loss_agg_mode: LossAggMode = "token-mean"
     """How the caller reduces the per-token loss; see ``aggregate_loss``."""
+    cispo_ratio_low: float = 0.0
+    """CISPO: lower bound on the ratio before its stop-gradient (>= 0; 0 = none)."""
+    cispo_ratio_high: float = 5.0
+    """CISPO: upper bound on the ratio before its stop-gradient (>= cispo_ratio_low)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in POLICY_LOSS_TYPES:
@@ -77,6 +84,7 @@ class PolicyLossConfig:
                 f"clip_ratio_c (dual clip) only applies to loss_type='ppo_clip'; "
                 f"set it to None for loss_type={self.loss_type!r}"
             )
+        _check_cispo_ratios(self.cispo_ratio_low, self.cispo_ratio_high)
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(
                 f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg_mode!r}"
@@ -118,7 +126,57 @@ def compute_policy_loss(
             clip_ratio_low=cfg.clip_ratio_low,
             clip_ratio_high=cfg.clip_ratio_high,
         )
+    if cfg.loss_type == "cispo":
+        return cispo_loss(logprobs, old_logprobs, advantages, mask, is_weights=is_weights,
+                          ratio_low=cfg.cispo_ratio_low, ratio_high=cfg.cispo_ratio_high)
     return reinforce_loss(logprobs, advantages, mask, is_weights=is_weights, old_logprobs=old_logprobs)
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    is_weights: Tensor | None = None,
+    ratio_low: float = 0.0,
+    ratio_high: float = 5.0,
+) -> PolicyLossOutput:
+    """CISPO (MiniMax-M1): clip the IS ratio, not the update; every token keeps its gradient.
+
+    ``r = exp(clamp(logprobs - old_logprobs, -20, 20))``;
+    ``loss = -sg(clamp(r, ratio_low, ratio_high)) * A * logprobs`` per token, times the detached IS
+    weights. Unlike PPO's ``max(-A r, -A clip(r))``, a token whose ratio is out of bounds still
+    contributes ``-clip(r) * A * grad(logprobs)``: the clip bounds the weight, it never zeroes a token.
+    ``old_logprobs`` is the anchor: pi_old in decoupled mode, pi_rollout in bypass mode (SkyRL's
+    ``cispo_anchor='old'`` / ``'rollout'``).
+
+    Args:
+        logprobs, old_logprobs, advantages, mask, is_weights: as in :func:`ppo_clip_loss`.
+        ratio_low, ratio_high: bounds on the ratio r itself (design decision 1), ``0 <= low <= high``.
+
+    Returns:
+        per-token loss and stats: ``pg_clipfrac_sum`` (tokens whose ratio was outside the bounds),
+        ``pg_clipfrac_lower_sum`` (those below ``ratio_low``), ``cispo_weight_sum`` (the applied
+        clipped ratio), ``ppo_kl_sum`` and ``num_tokens``.
+    """
+    _check_cispo_ratios(ratio_low, ratio_high)
+    keep, (logprobs, old_logprobs, advantages) = _mask_inputs(
+        mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
+    )
+    log_ratio = (logprobs - old_logprobs).detach()
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight = ratio.clamp(ratio_low, ratio_high)
+    per_token_loss = _apply_is_weights(-advantages * weight * logprobs, is_weights, keep)
+    below, above = ratio < ratio_low, ratio > ratio_high
+    stats = {
+        "pg_clipfrac_sum": _count((below | above) & keep),
+        "pg_clipfrac_lower_sum": _count(below & keep),
+        "cispo_weight_sum": _sum64(weight, keep),
+        "ppo_kl_sum": _sum64(-log_ratio, keep),
+        "num_tokens": _count(keep),
+    }
+    return PolicyLossOutput(per_token_loss, stats)
 
 
 def ppo_clip_loss(
@@ -267,6 +325,33 @@ def reinforce_loss(
     return PolicyLossOutput(per_token_loss, stats)
 
 
+def add_rollout_log_ratio_penalty(
+    out: PolicyLossOutput, logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, coef: float
+) -> PolicyLossOutput:
+    """``out`` plus the squared log-ratio penalty towards the rollout policy on the kept tokens.
+
+    ``penalty = coef * (logprobs - sg(rollout_logprobs))**2`` per token (gradient
+    ``2 * coef * (logprobs - rollout_logprobs)``), not multiplied by the IS weights: prime-rl's
+    ``kl_tau * log_importance_ratio**2`` (after Kimi K2.5), a trust region towards the policy that
+    sampled the data that stays smooth where a clip or mask would be a step. Adds the partial sum
+    ``rollout_sq_log_ratio_sum`` (sum of the squared log-ratios over kept tokens).
+
+    Args:
+        out: the policy loss of the same tokens.
+        logprobs: ``[batch, seq]`` pi_theta, with gradient.
+        rollout_logprobs: ``[batch, seq]`` pi_rollout (may be NaN/inf outside ``mask``).
+        mask: ``[batch, seq]`` keep mask.
+        coef: tau >= 0.
+    """
+    if not (coef >= 0.0 and math.isfinite(coef)):
+        raise ValueError(f"rollout_log_ratio_penalty must be a finite number >= 0, got {coef}")
+    keep, (logprobs, rollout_logprobs) = _mask_inputs(mask, logprobs=logprobs, rollout_logprobs=rollout_logprobs)
+    sq_log_ratio = (logprobs - rollout_logprobs.detach()).square()
+    penalty = torch.where(keep, coef * sq_log_ratio, torch.zeros_like(sq_log_ratio))
+    stats = {**out.stats, "rollout_sq_log_ratio_sum": _sum64(sq_log_ratio, keep)}
+    return PolicyLossOutput(out.per_token_loss + penalty, stats)
+
+
 def stats_to_means(stats: dict[str, Tensor]) -> dict[str, Tensor]:
     """Turn (already reduced) partial sums into per-token means, for single-process use.
 
@@ -293,6 +378,15 @@ def _check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float, clip_ratio
         raise ValueError(f"clip_ratio_high must be >= 0; got {clip_ratio_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None; got {clip_ratio_c}")
+
+
+def _check_cispo_ratios(ratio_low: float, ratio_high: float) -> None:
+    # "not (ok)" so that NaN fails.
+    if not (0.0 <= ratio_low <= ratio_high and 0.0 < ratio_high < math.inf):
+        raise ValueError(
+            f"cispo_ratio_low / cispo_ratio_high must satisfy 0 <= low <= high, 0 < high < inf (they bound the ratio "
+            f"pi_theta / pi_old); got low={ratio_low}, high={ratio_high}"
+        )
 
 
 def _mask_inputs(mask: Tensor, **tensors: Tensor) -> tuple[Tensor, list[Tensor]]:

@@ -128,6 +128,35 @@ PRESETS: dict[str, dict[str, Any]] = {
     "kpop": {"kpop_threshold": 2.0},
     # DPPO-TV with prime-rl's defaults (dppo_mask_high = dppo_mask_low = 0.2).
     "dppo_tv": {"dppo_tv_threshold": 0.2, "dppo_tv_threshold_low": 0.2},
+    # -- the 2026 objectives (docs/math.md, "2026 off-policy objectives"); each keeps the default veto --
+    # Lower-bounded token TIS (NeMo-RL PR #2886, truncated_importance_sampling_ratio_min): w = clamp(rho, 0.5, 2).
+    "decoupled_token_tis_lb": {
+        "rollout_is": "token",
+        "rollout_is_threshold": 2.0,
+        "rollout_is_threshold_lower": 0.5,
+        "rollout_is_two_sided": True,
+    },
+    # NeMo-RL's sequence log-prob error filter at the threshold of NVIDIA's Nemotron-3 recipes
+    # (grpo.seq_logprob_error_threshold: 2): drop a sequence whose mean exp(|log-ratio|) exceeds 2.
+    "seq_logprob_error": {"seq_logprob_error_threshold": 2.0},
+    # prime-rl's default loss ("DPPO+KL", default_loss_fn): off-policy policy gradient against pi_rollout with
+    # the (unbounded) token ratio, the DPPO binary-TV mask at 0.2 / 0.2 and kl_tau = 1e-3 on (log pi_theta -
+    # log pi_rollout)^2; no veto (prime-rl has none). The ratio bound 1e6 only guards overflow.
+    "bypass_pg_dppo_kl": {
+        "bypass_mode": True,
+        "loss_type": "reinforce",
+        "rollout_is": "token",
+        "rollout_is_threshold": 1e6,
+        "dppo_tv_threshold": 0.2,
+        "dppo_tv_threshold_low": 0.2,
+        "rollout_log_ratio_penalty": 1e-3,
+        "rollout_token_veto_threshold": None,
+    },
+    # CISPO with SkyRL's defaults (cispo_eps_clip_low 1.0, cispo_eps_clip_high 4.0: r clipped to [0, 5]),
+    # anchored on pi_old (SkyRL cispo_anchor='old') ...
+    "cispo": {"loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},
+    # ... or on pi_rollout without the old-logprob pass (cispo_anchor='rollout'; no extra IS on top).
+    "bypass_cispo": {"bypass_mode": True, "loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},
 }
 
 # Seed names that mean exactly one of the presets above.

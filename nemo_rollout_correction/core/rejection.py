@@ -14,6 +14,7 @@ import math
 from torch import Tensor
 
 from nemo_rollout_correction.core.config import RejectionCriterion
+from nemo_rollout_correction.core.keys import SUM_EXP_ABS_LOG_RATIO
 from nemo_rollout_correction.core.masking import TokenChunk
 from nemo_rollout_correction.core.stats import Partials
 
@@ -74,3 +75,14 @@ def statistic_bounds(criterion: RejectionCriterion) -> tuple[float, float]:
 def vetoed(seq: Partials, veto_threshold: float) -> Tensor:
     """Sequences `[rows]` with any valid token ratio below `veto_threshold`."""
     return seq.mins["min_log_ratio"] < math.log(veto_threshold)
+
+
+def seq_logprob_error(seq: Partials) -> Tensor:
+    """NeMo-RL's sequence multiplicative probability error `[rows]`: mean_t exp(|log-ratio_t|) over the valid
+    tokens (1 for a sequence without any). Uses the complete (CP-reduced) per-sequence partials."""
+    return seq.sums[SUM_EXP_ABS_LOG_RATIO] / seq.sums["num_tokens"].clamp(min=1.0)
+
+
+def seq_logprob_error_rejected(seq: Partials, threshold: float) -> Tensor:
+    """Sequences `[rows]` whose `seq_logprob_error` exceeds `threshold` (never ones without tokens)."""
+    return (seq_logprob_error(seq) > threshold) & (seq.sums["num_tokens"] > 0)

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.frontier import add_sequence_advantage, frontier_token_rejected
+from nemo_rollout_correction.core.keys import SUM_EXP_ABS_LOG_RATIO
 from nemo_rollout_correction.core.masking import TokenChunk
 from nemo_rollout_correction.core.rejection import token_rejected
 from nemo_rollout_correction.core.stats import Partials
@@ -127,6 +128,10 @@ def chunk_sequence_partials(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Pa
         if criterion.granularity == "seq_max" and f"max_{criterion.statistic}" not in seq.maxs:
             values = tok.k2 if criterion.statistic == "k2" else tok.k3
             seq.maxs[f"max_{criterion.statistic}"] = _row_amax(values)
+
+    if cfg.seq_logprob_error_threshold is not None:
+        # sum_t exp(|delta_t|) over valid tokens, as sum expm1(|delta|) + n: expm1(0) = 0 on invalid tokens.
+        seq.sums[SUM_EXP_ABS_LOG_RATIO] = _row_sum(torch.expm1(tok.clamped.abs())) + num_tokens
 
     if cfg.rollout_token_veto_threshold is not None:
         # Unclamped, so a veto threshold below e^-20 still fires on a ratio of e^-50. Invalid tokens

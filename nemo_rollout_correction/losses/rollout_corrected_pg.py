@@ -44,7 +44,12 @@ from torch import Tensor
 
 from nemo_rollout_correction.core.aggregation import LossAggMode, safe_divide
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
-from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, compute_policy_loss
+from nemo_rollout_correction.core.objective import policy_loss_for
+from nemo_rollout_correction.core.policy_loss import (
+    PolicyLossConfig,
+    add_rollout_log_ratio_penalty,
+    compute_policy_loss,
+)
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.distributed.correction import (
     NUM_DENOMINATOR_SEQS,
@@ -119,14 +124,16 @@ def rejection_is_predictable(cfg: RolloutCorrectionConfig) -> bool:
     """Whether the loss denominator depends on the rollout logprobs and loss mask alone.
 
     True when no rejection by the policy ratio can remove a token from the denominator: no RS
-    criterion, no veto, no masking IS and no OPSM / KPop / DPPO-TV mask, or
+    criterion, no veto, no masking IS, no OPSM / KPop / DPPO-TV mask and no sequence log-prob error
+    threshold, or
     `rejected_tokens_in_denominator=True`. Then
     `rollout_only_denominators` is exact in bypass mode too.
     """
     if cfg.rejected_tokens_in_denominator or cfg.metrics_only:
         return True
     masking_is = cfg.rollout_is is not None and cfg.rollout_is_mode == "mask"
-    frontier = cfg.opsm_threshold is not None or cfg.kpop_threshold is not None or cfg.dppo_tv_threshold is not None
+    frontier = (cfg.opsm_threshold is not None or cfg.kpop_threshold is not None or cfg.dppo_tv_threshold is not None
+                or cfg.seq_logprob_error_threshold is not None)
     return not (cfg.rejection_criteria or cfg.rollout_token_veto_threshold is not None or masking_is or frontier)
 
 
@@ -135,8 +142,8 @@ class RolloutCorrectedPolicyLoss:
 
     rc_cfg: the rollout correction (mode, IS, RS, veto, non-finite policy).
     loss_cfg: the policy loss and aggregation mode (default: PPO clip, `token-mean`). With
-        `rc_cfg.pure_is` (bypass + reinforce) the loss type is forced to `reinforce`, as in
-        `core.objective`.
+        `rc_cfg.pure_is` (bypass + reinforce) the loss type is forced to `reinforce`, with
+        `rc_cfg.loss_type='cispo'` to `cispo` (`core.objective.policy_loss_for`).
     norm_length: the constant length of `seq-mean-token-sum-norm` (default: the padded length of
         the full sequence, `local_seq * cp_size`); pass the maximum response length when
         microbatches are padded differently.
@@ -144,9 +151,7 @@ class RolloutCorrectedPolicyLoss:
 
     def __init__(self, rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig | None = None, *,
                  norm_length: float | None = None) -> None:
-        loss_cfg = loss_cfg or PolicyLossConfig()
-        if rc_cfg.pure_is:
-            loss_cfg = dataclasses.replace(loss_cfg, loss_type="reinforce", clip_ratio_c=None)
+        loss_cfg = policy_loss_for(rc_cfg, loss_cfg)
         if norm_length is not None and not norm_length > 0:
             raise ValueError(f"norm_length must be > 0, got {norm_length}")
         self.rc_cfg = rc_cfg
@@ -205,7 +210,8 @@ class RolloutCorrectedPolicyLoss:
         cfg = dataclasses.replace(self.rc_cfg, rollout_is=None, rollout_rs=None, rollout_rs_threshold=None,
                                   rollout_token_veto_threshold=None, bypass_mode=False, loss_type="ppo_clip",
                                   metrics_only=False, opsm_threshold=None, kpop_threshold=None,
-                                  dppo_tv_threshold=None, dppo_tv_threshold_low=None)
+                                  dppo_tv_threshold=None, dppo_tv_threshold_low=None,
+                                  seq_logprob_error_threshold=None)
         corrections = [distributed_rollout_correction(rollout, rollout, mask, cfg, groups)
                        for rollout, mask in microbatches]
         step = reduce_step(corrections, cfg, groups)
@@ -267,6 +273,9 @@ class RolloutCorrectedPolicyLoss:
         keep = correction.keep_mask
         policy = compute_policy_loss(logprobs, reference.detach(), advantages, keep, self.loss_cfg,
                                      is_weights=correction.is_weights if use_weights else None)
+        if cfg.rollout_log_ratio_penalty > 0:
+            policy = add_rollout_log_ratio_penalty(policy, logprobs, rollout_logprobs, keep,
+                                                   cfg.rollout_log_ratio_penalty)
         loss_sum, num_denominator = self._numerator(policy.per_token_loss, correction, groups)
         if self.agg_mode == "token-sum":
             loss = loss_sum

@@ -48,6 +48,7 @@ __all__ = [
     "denominator_strategy",
     "finish_step",
     "microbatch_loss",
+    "objective_sum_keys",
     "plan_step",
 ]
 
@@ -55,6 +56,18 @@ DenominatorStrategy = Literal["decoupled", "rollout_only", "prepass", "post_scal
 
 # Policy-loss partial sums every rank reports, even with no microbatch (the all-reduce needs equal keys).
 _POLICY_SUMS = ("num_tokens", "pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum")
+
+
+def objective_sum_keys(cfg: RolloutCorrectionConfig) -> tuple[str, ...]:
+    """The policy-loss partial sums of `cfg`'s objective beyond the common ones (`cispo_weight_sum` for CISPO,
+    `rollout_sq_log_ratio_sum` with the squared log-ratio penalty), per token like `pg_clipfrac_sum`. Keys
+    that do not apply are absent rather than 0, so a log never shows a number that measured nothing."""
+    keys: tuple[str, ...] = ()
+    if cfg.loss_type == "cispo":
+        keys += ("cispo_weight_sum",)
+    if cfg.rollout_log_ratio_penalty > 0:
+        keys += ("rollout_sq_log_ratio_sum",)
+    return keys
 
 
 def denominator_strategy(cfg: RolloutCorrectionConfig, *, kl_penalty_on: bool) -> DenominatorStrategy:
@@ -201,7 +214,7 @@ def finish_step(plan: StepPlan, stats: StepStats, rc_cfg: RolloutCorrectionConfi
     if plan.corrections is None:  # corrected inside the loss pass: metrics from its partials
         rc_metrics = reduce_step_metrics(stats.partials, rc_cfg, groups)
     local = dict(stats.sums)
-    for key in _POLICY_SUMS:
+    for key in _POLICY_SUMS + objective_sum_keys(rc_cfg):
         local.setdefault(key, 0.0)
     sums = all_reduce_sums(local, groups)
     if plan.denominators is None and agg_mode != "token-sum":

@@ -77,6 +77,11 @@ def engine_refit(engine: int) -> str:
     return f"rollout/engine{engine}_refit_s"
 
 
+def objective(sum_key: str) -> str:
+    """`loss/<name>` of an objective's per-token partial sum `<name>_sum` (`losses.step_plan.objective_sum_keys`)."""
+    return f"loss/{sum_key.removesuffix('_sum')}"
+
+
 def pg_clipfrac_epoch(epoch: int) -> str:
     """`loss/pg_clipfrac_epoch<k>`: the PPO clip fraction of the k-th (1-based) pass over the step's rollouts."""
     return f"loss/pg_clipfrac_epoch{epoch}"
@@ -95,4 +100,4 @@ def optional(metrics: Mapping[str, float], key: str, absent: float) -> float:
     return float(metrics[key]) if key in metrics else absent
 
 
-__all__ = [name for name in dir() if name.isupper()] + ["engine_refit", "optional", "pg_clipfrac_epoch", "timing"]
+__all__ = [name for name in dir() if name.isupper()] + ["engine_refit", "objective", "optional", "pg_clipfrac_epoch", "timing"]

@@ -65,12 +65,15 @@ class StepReport:
         metrics_path: `<run.output_dir>/metrics.jsonl`, written by the logging rank (`is_main`).
         ppo_epochs: `grpo.ppo_epochs` (a clip fraction per epoch when > 1).
         num_engines: the fleet's engines (`rollout/num_engines`).
+        objective_keys: the objective's own per-token partial sums (`losses.step_plan.objective_sum_keys`),
+            each logged as `loss/<name>` (CISPO's weight, the squared log-ratio penalty).
     """
 
     def __init__(self, groups: ParallelGroups, observer: TrainObserver, metrics_path: Path, *, is_main: bool,
-                 ppo_epochs: int, num_engines: int) -> None:
+                 ppo_epochs: int, num_engines: int, objective_keys: Sequence[str] = ()) -> None:
         self.groups, self.observer, self.metrics_path, self.is_main = groups, observer, metrics_path, is_main
         self.ppo_epochs, self.num_engines = ppo_epochs, num_engines
+        self.objective_keys = tuple(objective_keys)
 
     # ---- metrics ------------------------------------------------------------------------------------------
 
@@ -121,6 +124,8 @@ class StepReport:
             mn.OPTIM_SKIPPED_UPDATES: float(sum(u.applied.skipped for u in updates)),
             mn.PERF_TRAIN_TOKENS_PER_S: num_tokens / max(timings["train"], 1e-9),
         }
+        for key in self.objective_keys:  # the objective's own (CISPO weight, rollout penalty), per loss token
+            metrics[mn.objective(key)] = mean([clipfrac(u, key) for u in updates])
         epochs = self.ppo_epochs
         if epochs > 1:  # the PPO clip acts from the second pass on: its clip fraction per epoch
             per_epoch = len(updates) // epochs

@@ -8,7 +8,6 @@ issued; the test module compares them with a single-process reference of the sam
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,8 +20,12 @@ from torch import Tensor
 
 from nemo_rollout_correction.core.aggregation import aggregate_loss, safe_divide
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
-from nemo_rollout_correction.core.objective import rollout_corrected_policy_loss
-from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, compute_policy_loss
+from nemo_rollout_correction.core.objective import policy_loss_for, rollout_corrected_policy_loss
+from nemo_rollout_correction.core.policy_loss import (
+    PolicyLossConfig,
+    add_rollout_log_ratio_penalty,
+    compute_policy_loss,
+)
 from nemo_rollout_correction.core.presets import preset_names
 from nemo_rollout_correction.distributed import (
     PackedSequences,
@@ -244,10 +247,8 @@ def seq_mean_token_mean(per_token_loss: Tensor, keep: Tensor, seq_kept_tokens: T
 
 
 def loss_config(cfg: RolloutCorrectionConfig, mode: str) -> PolicyLossConfig:
-    loss_cfg = PolicyLossConfig(loss_agg_mode=mode)  # type: ignore[arg-type]
-    if cfg.pure_is:  # as core.objective does
-        loss_cfg = dataclasses.replace(loss_cfg, loss_type="reinforce", clip_ratio_c=None)
-    return loss_cfg
+    # The policy loss the correction config selects (pure IS -> reinforce, cispo), as core.objective does.
+    return policy_loss_for(cfg, PolicyLossConfig(loss_agg_mode=mode))  # type: ignore[arg-type]
 
 
 def packed_lengths(data: dict[str, Tensor], start: int, stop: int, multiple: int) -> Tensor:
@@ -317,6 +318,9 @@ def run_step(layout: Layout, groups: ParallelGroups, cfg: RolloutCorrectionConfi
         for mode in LOSS_MODES:
             policy = compute_policy_loss(view_logprobs, reference.detach(), view["advantages"], mb.keep_mask,
                                          loss_config(cfg, mode), is_weights=is_weights)
+            if cfg.rollout_log_ratio_penalty > 0:
+                policy = add_rollout_log_ratio_penalty(policy, view_logprobs, view["rollout"], mb.keep_mask,
+                                                       cfg.rollout_log_ratio_penalty)
             if mode == "seq-mean-token-mean":
                 loss = seq_mean_token_mean(policy.per_token_loss, mb.keep_mask, mb.seq_kept_tokens,
                                            step.num_global_seqs)

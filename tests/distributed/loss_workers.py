@@ -69,6 +69,16 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
     "bypass_rs": _cfg(bypass_mode=True, rollout_rs="token_k1", rollout_rs_threshold="0.9_1.1",
                       rollout_token_veto_threshold=1e-4, nonfinite_policy="mask_token"),
     "pure_is_seq": _cfg(bypass_mode=True, loss_type="reinforce", rollout_is="sequence", rollout_is_threshold=2.0),
+    # The 2026 objectives (docs/math.md): CISPO on pi_old with token TIS on top, and on pi_rollout.
+    "cispo_tis": _cfg(loss_type="cispo", cispo_ratio_low=0.9, cispo_ratio_high=1.02, rollout_is="token",
+                      rollout_is_threshold=1.1),
+    "token_tis_lb": _cfg(rollout_is="token", rollout_is_two_sided=True, rollout_is_threshold=1.05,
+                         rollout_is_threshold_lower=0.95),
+    "seq_lp_error": _cfg(seq_logprob_error_threshold=1.09),
+    "bypass_dppo_kl": _cfg(bypass_mode=True, loss_type="reinforce", rollout_is="token", rollout_is_threshold=1e6,
+                           dppo_tv_threshold=0.2, dppo_tv_threshold_low=0.2, rollout_log_ratio_penalty=0.05,
+                           nonfinite_policy="mask_token"),
+    "bypass_cispo": _cfg(bypass_mode=True, loss_type="cispo", cispo_ratio_low=0.95, cispo_ratio_high=1.05),
 }
 
 

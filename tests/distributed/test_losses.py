@@ -27,7 +27,7 @@ pytestmark = pytest.mark.distributed
 def loss_run() -> dict[str, Any]:
     """All layouts' results, from one launch of 4 gloo ranks."""
     started = time.perf_counter()
-    ranks = dist_harness.launch(loss_workers.worker, 4, timeout=240.0)
+    ranks = dist_harness.launch(loss_workers.worker, 4, timeout=420.0)
     return {"ranks": ranks, "seconds": time.perf_counter() - started}
 
 

@@ -88,6 +88,14 @@ def test_every_preset_runs_one_step(trainer: Any) -> None:
                            ("dppo_tv_threshold", "dppo_tv_masked_fraction")):  # advantages reach the step's masks
             if getattr(cfg, field) is not None:
                 assert math.isfinite(metrics[f"rollout_corr/{key}"]), name
+        if cfg.seq_logprob_error_threshold is not None:
+            assert math.isfinite(metrics["rollout_corr/seq_logprob_error_max"]), name
+        # The 2026 objectives log their own loss/* terms, and only when configured (never a stray 0.0).
+        assert ("loss/cispo_weight" in metrics) == (cfg.loss_type == "cispo"), name
+        assert ("loss/rollout_sq_log_ratio" in metrics) == (cfg.rollout_log_ratio_penalty > 0), name
+        for key in ("loss/cispo_weight", "loss/rollout_sq_log_ratio"):
+            if key in metrics:
+                assert math.isfinite(metrics[key]), (name, key)
         if not cfg.bypass_mode:  # (a skipped pass differs from a fast one only in wall time: not asserted here)
             assert metrics["timing/old_logprob_s"] > 0, name
         moved = any(not torch.equal(before[k], v) for k, v in _params(trainer).items())

@@ -252,14 +252,26 @@ def test_prob_pearson_is_exact_across_microbatches() -> None:
     assert whole != pytest.approx(want, abs=1e-4)  # rejections matter: kept tokens, not all loss tokens
 
 
-def test_prob_pearson_undefined_cases_read_zero() -> None:
+def test_prob_pearson_undefined_cases_are_nan_not_zero() -> None:
+    """Issue 24: r is undefined for a constant side or fewer than 2 tokens; it is NaN there, never 0.0 (which
+    reads as a measured "no correlation"). A near-constant side (the tiny-model case) is undefined too."""
     rollout = torch.full((2, 3), -1.0)
     old = rollout + torch.tensor([[0.1, 0.2, 0.3], [0.0, -0.1, 0.05]])
     mask = torch.ones(2, 3, dtype=torch.bool)
-    assert compute_rollout_correction(old, rollout, mask, cfg()).metrics[F + "prob_pearson"] == 0.0  # q constant
+    assert math.isnan(compute_rollout_correction(old, rollout, mask, cfg()).metrics[F + "prob_pearson"])  # q constant
     one = torch.zeros(2, 3, dtype=torch.bool)
     one[0, 0] = True
-    assert compute_rollout_correction(old, rollout, one, cfg()).metrics[F + "prob_pearson"] == 0.0  # n < 2
+    assert math.isnan(compute_rollout_correction(old, rollout, one, cfg()).metrics[F + "prob_pearson"])  # n < 2
+    empty = torch.zeros(2, 3, dtype=torch.bool)
+    assert math.isnan(compute_rollout_correction(old, rollout, empty, cfg()).metrics[F + "prob_pearson"])
+    # near-constant within float32 rounding of the raw sums (both sides vary by ~1e-9): undefined, not a number
+    tiny = rollout + 1e-9 * torch.arange(6.0).reshape(2, 3)
+    near = compute_rollout_correction(tiny + 1e-9, tiny, mask, cfg()).metrics[F + "prob_pearson"]
+    assert math.isnan(near)
+    # defined cases stay numbers in [-1, 1]
+    varied = torch.tensor([[-0.5, -1.0, -2.0], [-0.2, -3.0, -1.5]])
+    r = compute_rollout_correction(varied + 0.01, varied, mask, cfg()).metrics[F + "prob_pearson"]
+    assert 0.99 < r <= 1.0
 
 
 # ---- properties -------------------------------------------------------------------------------
@@ -292,8 +304,9 @@ def test_frontier_masks_only_shrink_the_keep_mask_and_stay_finite(case: Any) -> 
     out = compute_rollout_correction(old, rollout, mask, cfg(**fields), advantages=adv)
     assert not (out.keep_mask & ~base.keep_mask).any()
     assert torch.isfinite(out.is_weights).all() and (out.is_weights[~out.keep_mask] == 0).all()
-    assert all(math.isfinite(v) for v in out.metrics.values())
-    assert -1.0 <= out.metrics[F + "prob_pearson"] <= 1.0
+    assert all(_defined(k, v) for k, v in out.metrics.items())
+    r = out.metrics[F + "prob_pearson"]
+    assert math.isnan(r) or -1.0 <= r <= 1.0  # NaN exactly where r is undefined
     if fields["kpop_threshold"] is None and fields["dppo_tv_threshold"] is None:
         positive = adv >= 0  # OPSM (the only mask left) never touches a sequence with advantage >= 0
         assert torch.equal(out.keep_mask[positive], base.keep_mask[positive])
@@ -312,3 +325,27 @@ def test_existing_properties_still_hold_for_the_new_presets() -> None:
         out = compute_rollout_correction(old, rollout, mask, c, advantages=adv)
         assert not (out.keep_mask & ~mask).any()
         assert out.metrics[F + "num_valid_tokens"] == int(mask.sum())
+
+
+def test_undefined_prob_pearson_survives_the_metric_sinks(tmp_path: Any) -> None:
+    """A NaN metric goes through the tracker's conversion, metrics.jsonl's JSON and the run summary."""
+    import json
+
+    from nemo_rollout_correction.tracking.tracker import to_float
+    from nemo_rollout_correction.trainer.console import RunSummary
+
+    rollout = torch.full((2, 3), -1.0)
+    metrics = compute_rollout_correction(rollout + 0.1, rollout, torch.ones(2, 3, dtype=torch.bool), cfg()).metrics
+    value = metrics[F + "prob_pearson"]
+    assert math.isnan(to_float(F + "prob_pearson", value))
+    line = json.dumps({"step": 1, **metrics})  # what the trainer appends to metrics.jsonl
+    assert math.isnan(json.loads(line)[F + "prob_pearson"])
+    summary = RunSummary.from_history([{**metrics, "reward/mean": 0.5}], output_dir=str(tmp_path),
+                                      checkpoint_dir=str(tmp_path), log_path=None, mlflow_run_id=None,
+                                      tracking_uri=None)
+    assert all(isinstance(text, str) for text in summary.lines())
+
+
+def _defined(key: str, value: float) -> bool:
+    """A finite metric, or NaN for prob_pearson where Pearson's r is undefined (docs/metrics.md)."""
+    return math.isfinite(value) or (key.endswith("prob_pearson") and math.isnan(value))

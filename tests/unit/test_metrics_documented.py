@@ -20,7 +20,8 @@ CONFIGS = [
     RolloutCorrectionConfig(rollout_is="sequence", rollout_is_batch_normalize=True),
     RolloutCorrectionConfig(rollout_is="geometric", rollout_is_mode="mask", rollout_is_threshold=1.01),
     RolloutCorrectionConfig(rollout_token_veto_threshold=None),
-    RolloutCorrectionConfig(opsm_threshold=0.0, kpop_threshold=0.1, dppo_tv_threshold=0.1),
+    RolloutCorrectionConfig(opsm_threshold=0.0, kpop_threshold=0.1, dppo_tv_threshold=0.1,
+                            seq_logprob_error_threshold=1.05),
 ]
 
 
