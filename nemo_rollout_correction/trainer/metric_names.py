@@ -100,4 +100,5 @@ def optional(metrics: Mapping[str, float], key: str, absent: float) -> float:
     return float(metrics[key]) if key in metrics else absent
 
 
-__all__ = [name for name in dir() if name.isupper()] + ["engine_refit", "objective", "optional", "pg_clipfrac_epoch", "timing"]
+__all__ = [name for name in dir() if name.isupper()] + [
+    "engine_refit", "objective", "optional", "pg_clipfrac_epoch", "timing"]
