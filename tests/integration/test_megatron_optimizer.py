@@ -114,16 +114,27 @@ def test_dp2_equals_dp1_fp32(hf_dir: str, num_mini_batches: int, layout: str) ->
     _assert_same_training(one, two, FP32_RTOL, 1e-7)
 
 
-# megatron-core 0.19.2 (the GPU image's pin, ci/test_mcore019.sh): with the distributed optimizer in bf16, DP=2
-# and DP=1 differ by one bf16 step in a few weights after the first update (measured 3.05e-5 on linear_qkv, the
-# test allows ~9e-7); 0.16.1 is bit-exact. Not explained yet; strict, so the lane notices when it changes.
-_MCORE_019_BF16_DIST = pytest.mark.xfail(
-    pytest.importorskip("megatron.core").__version__.startswith("0.19."), strict=True,
-    reason="megatron-core 0.19: bf16 distributed optimizer DP=2 vs DP=1 differ by one bf16 step (unexplained)")
+def _assert_within_one_bf16_step(one: dict[str, Any], two: list[dict[str, Any]]) -> None:
+    """Same losses and grad norms (`BF16_RTOL`); weights within one bf16 step of each tensor's scale of DP=1's.
+
+    The distributed optimizer: the fp32 main weights of the two layouts agree to fp32 round-off (the DP gradient
+    sum and the clip norm's shard sum run in another order), and a main weight at a bf16 rounding boundary can
+    round to the neighbouring bf16 value in one layout. Measured in a fresh environment on 2026-11-27 with
+    megatron-core 0.16.1 and 0.19.2 alike: 3.05e-5 on a `linear_qkv` weight of scale 0.086 after the first
+    update (earlier environments were bit-exact; not explained). A wrong shard or a skipped update moves whole
+    tensors by about lr, which this bound still catches.
+    """
+    for rank in two:
+        for a, b in zip(one["updates"], rank["updates"], strict=True):
+            assert _close(a["loss"], b["loss"], BF16_RTOL), (a, b)
+            assert _close(a["grad_norm"], b["grad_norm"], BF16_RTOL), (a, b)
+        for step, (wa, wb) in enumerate(zip(one["weights"], rank["weights"], strict=True)):
+            for name, tensor in wa.items():
+                _assert_weights_close(wb[name], tensor, torch.finfo(torch.bfloat16).eps, 1e-7,
+                                      f"{name} after step {step}")
 
 
-@pytest.mark.parametrize("layout", [pytest.param("regular"),
-                                    pytest.param("distributed", marks=_MCORE_019_BF16_DIST)])
+@pytest.mark.parametrize("layout", ["regular", "distributed"])
 def test_bf16_keeps_fp32_main_params_and_dp2_matches_dp1(hf_dir: str, layout: str) -> None:
     one, two = _dp1_and_dp2(hf_dir, "bfloat16", layout)
     for result in (one, *two):
@@ -140,7 +151,8 @@ def test_bf16_keeps_fp32_main_params_and_dp2_matches_dp1(hf_dir: str, layout: st
             for wa, wb in zip(one["weights"], rank["weights"], strict=True):
                 for name, tensor in wa.items():
                     assert torch.equal(wb[name], tensor), name
-    _assert_same_training(one, two, BF16_RTOL, 1e-7)
+    else:
+        _assert_within_one_bf16_step(one, two)
 
 
 def test_fp16_runs_with_megatrons_loss_scaler(hf_dir: str) -> None:
