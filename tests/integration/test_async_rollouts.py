@@ -79,8 +79,13 @@ def test_one_step_off_batches_are_one_version_old_and_the_mismatch_shows_it(
         assert m["rollout_corr/k3_kl"] > 1e-6, m["rollout_corr/k3_kl"]
     # batch 1 is the synchronous step's batch (same version, same request seeds): the recorded sync step 1
     sync_first = REFERENCE["steps"][0]
-    for key in ("perf/num_generated_tokens", "reward/mean", "loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl"):
+    for key in ("perf/num_generated_tokens", "reward/mean", "loss/policy"):
         assert first[key] == sync_first[key], key
+    # The fp32 mismatch itself is round-off (~1e-8): its exact value follows the engine's CPU kernels, which
+    # differ between environments (a fresh install of 2026-11-27 gives 2.4e-8 where the reference has -1.1e-8,
+    # main's code alike), so it is compared at round-off scale; the tokens, rewards and loss above stay exact.
+    for key in ("rollout_corr/kl", "rollout_corr/k3_kl"):
+        assert first[key] == pytest.approx(sync_first[key], abs=1e-7), key
     for m in steps:  # engine seconds, not the (short) wait: tokens/s stays the engine's throughput
         assert m["timing/generation_s"] > 0 and "timing/rollout_wait_s" in m
 
