@@ -33,3 +33,12 @@ def cli_env() -> dict[str, str]:
 def read_metrics(out: Path) -> list[dict[str, Any]]:
     """The rows of `<out>/metrics.jsonl`, one per step."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# Metrics reported as NaN where they are undefined on a batch (docs/metrics.md), never as a made-up number.
+UNDEFINED_AS_NAN = frozenset({"rollout_corr/prob_pearson"})
+
+
+def nan_metrics(row: dict[str, Any]) -> list[str]:
+    """The keys of a `metrics.jsonl` row that are NaN although they are always defined (NaN != NaN)."""
+    return [key for key, value in row.items() if value != value and key not in UNDEFINED_AS_NAN]

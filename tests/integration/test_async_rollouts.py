@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from default_lane import require
-from nrc_cli import cli_env, read_metrics
+from nrc_cli import cli_env, nan_metrics, read_metrics
 
 require("megatron.core", "megatron")
 require("vllm", "cpu")
@@ -174,7 +174,7 @@ def test_dynamic_sampling_refills_and_skipped_updates_keep_the_pipeline_going(tm
         assert 0.0 <= m["rollout/staleness_mean"] <= 1.0 and m["rollout/staleness_max"] <= 1.0
         if m["grpo/refill_batches"] == 0:  # only the queued batch, one version old
             assert m["rollout/staleness_mean"] == 1.0
-        assert all(v == v for v in m.values()), "a NaN metric"
+        assert not nan_metrics(m), "a NaN metric"
     # a step that trains on kept refill groups mixes fresh (version s) and one-step-old samples
     assert any(0.0 < m["rollout/staleness_mean"] < 1.0 for m in read_metrics(learn)[1:])
     proc = nrc(["rollout.max_staleness=1", "run.num_steps=3", "task=arithmetic", "grpo.dynamic_sampling=true",

@@ -28,7 +28,7 @@ require("vllm", "cpu")
 require("mlflow", "mlflow")
 
 from mlflow_server import MlflowServer
-from nrc_cli import TINY_FAST, cli_env, read_metrics
+from nrc_cli import TINY_FAST, cli_env, nan_metrics, read_metrics
 
 pytestmark = [pytest.mark.integration]
 
@@ -315,7 +315,7 @@ def test_dapo_in_the_step_filters_penalises_and_skips(tmp_path: Path) -> None:
         assert 0.0 <= m["grpo/filtered_group_fraction"] < 1.0
         assert m["grpo/overlong_penalty_mean"] <= 0.0
         assert m["grpo/overlong_filtered_fraction"] == pytest.approx(m["response/truncated_fraction"])
-        assert all(v == v for v in m.values()), "a NaN metric"  # NaN != NaN
+        assert not nan_metrics(m), "a NaN metric"
 
     skip = tmp_path / "skip"
     proc = nrc([*FAST, "task=arithmetic", "run.num_steps=2", "tracking.enabled=false", "checkpoint.every_n_steps=0",
@@ -330,7 +330,7 @@ def test_dapo_in_the_step_filters_penalises_and_skips(tmp_path: Path) -> None:
             assert m["optim/num_updates"] == 0.0 and "loss/policy" not in m
         else:
             assert m["optim/num_updates"] == 1.0 and m["grpo/filtered_group_fraction"] < 1.0
-        assert all(v == v for v in m.values()), "a NaN metric"
+        assert not nan_metrics(m), "a NaN metric"
 
 
 def test_loglinear_old_logprobs_skip_the_forward_and_match_it(tmp_path: Path) -> None:
@@ -364,6 +364,6 @@ def test_float16_engine_and_float16_trainer_end_to_end(tmp_path: Path) -> None:
     steps = read_metrics(out)
     for m in steps:
         assert m["optim/loss_scale"] > 1.0, "fp16 trains with Megatron's dynamic loss scaler"
-        assert all(v == v for v in m.values()), "a NaN metric"
+        assert not nan_metrics(m), "a NaN metric"
         assert m["rollout_corr/k3_kl"] >= 0.0 and m["optim/skipped_updates"] == 0.0
     assert steps[0]["loss/grad_norm"] > 0.0  # (a later step may have zero reward variance: no gradient)
