@@ -41,6 +41,7 @@ from nemo_rollout_correction.losses.rollout_corrected_pg import (
 )
 
 __all__ = [
+    "OBJECTIVE_SUMS",
     "DenominatorStrategy",
     "StepPlan",
     "StepResult",
@@ -58,15 +59,20 @@ DenominatorStrategy = Literal["decoupled", "rollout_only", "prepass", "post_scal
 _POLICY_SUMS = ("num_tokens", "pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum")
 
 
+OBJECTIVE_SUMS = ("cispo_weight_sum", "rollout_sq_log_ratio_sum")
+"""Every objective-specific partial sum (`objective_sum_keys` picks those of a config): an update's
+`StepResult.sums` holds exactly the configured ones, so a report can read them from the result."""
+
+
 def objective_sum_keys(cfg: RolloutCorrectionConfig) -> tuple[str, ...]:
     """The policy-loss partial sums of `cfg`'s objective beyond the common ones (`cispo_weight_sum` for CISPO,
     `rollout_sq_log_ratio_sum` with the squared log-ratio penalty), per token like `pg_clipfrac_sum`. Keys
     that do not apply are absent rather than 0, so a log never shows a number that measured nothing."""
     keys: tuple[str, ...] = ()
     if cfg.loss_type == "cispo":
-        keys += ("cispo_weight_sum",)
+        keys += (OBJECTIVE_SUMS[0],)
     if cfg.rollout_log_ratio_penalty > 0:
-        keys += ("rollout_sq_log_ratio_sum",)
+        keys += (OBJECTIVE_SUMS[1],)
     return keys
 
 

@@ -65,7 +65,6 @@ from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.advantages import grpo_advantages
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
 from nemo_rollout_correction.distributed.runtime import Runtime, barrier
-from nemo_rollout_correction.losses.step_plan import objective_sum_keys
 from nemo_rollout_correction.models.hf_export import export_hf
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import resolve_model_source
@@ -147,8 +146,7 @@ class GrpoTrainer:
                                   tokenize=self.prompt_token_ids, log=self.log)
         self.report = StepReport(self.groups, self.observer, self.output_dir / "metrics.jsonl",
                                  is_main=runtime.is_main, ppo_epochs=cfg.grpo.ppo_epochs,
-                                 num_engines=self.fleet.num_engines,
-                                 objective_keys=objective_sum_keys(cfg.rollout_correction))
+                                 num_engines=self.fleet.num_engines)
         self.step_index = 0
         # checkpoint.async_save: Megatron's queue of background saves (trainer/checkpoint.py)
         self.async_checkpoints = ckpt.new_async_queue() if cfg.checkpoint.async_save else None

@@ -22,6 +22,7 @@ from torch import Tensor
 from nemo_rollout_correction.core.sequence_stats import sequence_mean_k3
 from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens
 from nemo_rollout_correction.distributed.groups import ParallelGroups
+from nemo_rollout_correction.losses.step_plan import OBJECTIVE_SUMS
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
 from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.data import PromptRecord
@@ -65,15 +66,12 @@ class StepReport:
         metrics_path: `<run.output_dir>/metrics.jsonl`, written by the logging rank (`is_main`).
         ppo_epochs: `grpo.ppo_epochs` (a clip fraction per epoch when > 1).
         num_engines: the fleet's engines (`rollout/num_engines`).
-        objective_keys: the objective's own per-token partial sums (`losses.step_plan.objective_sum_keys`),
-            each logged as `loss/<name>` (CISPO's weight, the squared log-ratio penalty).
     """
 
     def __init__(self, groups: ParallelGroups, observer: TrainObserver, metrics_path: Path, *, is_main: bool,
-                 ppo_epochs: int, num_engines: int, objective_keys: Sequence[str] = ()) -> None:
+                 ppo_epochs: int, num_engines: int) -> None:
         self.groups, self.observer, self.metrics_path, self.is_main = groups, observer, metrics_path, is_main
         self.ppo_epochs, self.num_engines = ppo_epochs, num_engines
-        self.objective_keys = tuple(objective_keys)
 
     # ---- metrics ------------------------------------------------------------------------------------------
 
@@ -124,8 +122,9 @@ class StepReport:
             mn.OPTIM_SKIPPED_UPDATES: float(sum(u.applied.skipped for u in updates)),
             mn.PERF_TRAIN_TOKENS_PER_S: num_tokens / max(timings["train"], 1e-9),
         }
-        for key in self.objective_keys:  # the objective's own (CISPO weight, rollout penalty), per loss token
-            metrics[mn.objective(key)] = mean([clipfrac(u, key) for u in updates])
+        for key in OBJECTIVE_SUMS:  # the configured objective's own (CISPO weight, rollout penalty), per loss token
+            if key in updates[0].result.sums:
+                metrics[mn.objective(key)] = mean([clipfrac(u, key) for u in updates])
         epochs = self.ppo_epochs
         if epochs > 1:  # the PPO clip acts from the second pass on: its clip fraction per epoch
             per_epoch = len(updates) // epochs

@@ -89,7 +89,8 @@ def assert_step_metrics_match(results: list[dict[str, Any]], name: str) -> None:
     expected = reference(name)["out"].metrics
     first = results[0]["metrics"]
     for result in results[1:]:
-        assert result["metrics"] == first, "ranks disagree on the step's metrics"
+        assert result["metrics"].keys() == first.keys(), "ranks disagree on the step's metric keys"
+        assert all(close(result["metrics"][k], first[k]) for k in first), "ranks disagree on the step's metrics"
     assert first.keys() == expected.keys()
     wrong = {k: (first[k], v) for k, v in expected.items() if not close(first[k], v)}
     assert not wrong, f"metrics differ from the single-process values (got, expected): {wrong}"

@@ -182,9 +182,9 @@ def test_single_rank_equals_core(name: str) -> None:
     step = reduce_step([mb], cfg, ParallelGroups.single())
     assert torch.equal(mb.keep_mask, ref.keep_mask)
     torch.testing.assert_close(mb.is_weights, ref.is_weights)
-    assert step.metrics == pytest.approx(ref.metrics, rel=1e-9, abs=1e-12)
+    assert step.metrics == pytest.approx(ref.metrics, rel=1e-9, abs=1e-12, nan_ok=True)
     assert reduce_step_metrics(mb.partials, cfg, ParallelGroups.single()) == pytest.approx(ref.metrics, rel=1e-9,
-                                                                                           abs=1e-12)
+                                                                                           abs=1e-12, nan_ok=True)
     assert mb.output.metrics == {}  # one shard's values are never offered as the step's
     assert step.num_global_tokens == ref.num_denominator_tokens
 
@@ -216,4 +216,5 @@ def test_empty_step_reduces_to_honest_zeros() -> None:
     cfg = CONFIGS["seq_tis_bn"]
     step = reduce_step([], cfg, ParallelGroups.single())
     assert step.num_global_tokens == 0 and step.num_global_seqs == 0 and step.is_weight_mean == 1.0
-    assert all(value == value for value in step.metrics.values())  # no NaN
+    # no NaN but the metrics undefined without kept tokens (prob_pearson: NaN where r is undefined, docs/metrics.md)
+    assert all(value == value for key, value in step.metrics.items() if key != "rollout_corr/prob_pearson")
