@@ -198,8 +198,12 @@ def test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflo
     assert "nrc-grpo: USR1 received: asking the ranks to checkpoint and stop" in log, log[-4000:]
     assert f"requeueing job {job_id}" in log and f"restart 1 of job {job_id}: resuming" in log, log[-4000:]
     # Accounting keeps one record per attempt (sacct -D): the requeued one and the completed one.
-    attempts = [r["state"] for r in slurm_cluster.sacct(job_id, "jobid,state") if r["jobid"] == job_id]
-    assert attempts == ["REQUEUED", "COMPLETED"], attempts
+    def attempts() -> list[str]:
+        return [r["state"] for r in slurm_cluster.sacct(job_id, "jobid,state") if r["jobid"] == job_id]
+
+    # slurmdbd records the end a moment after squeue drops the job: wait for the last attempt's final state
+    wait_for("the accounting record of the last attempt", lambda: attempts()[-1:] not in ([], ["RUNNING"]), 120)
+    assert attempts() == ["REQUEUED", "COMPLETED"], attempts()
     assert_two_node_step(slurm_cluster, job_id)
     # Every step once, in order, across the two attempts; the stop checkpointed the step it stopped after.
     assert [r["step"] for r in read_metrics(out)] == list(range(1, num_steps + 1))
