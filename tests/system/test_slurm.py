@@ -140,13 +140,13 @@ def test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflo
     stop after the same step, checkpoint, exit 75; the script requeues the job; the requeued attempt adds
     run.resume=true and finishes the remaining steps in the same MLflow run. Start-up time varies with the
     machine's load (40 s to 3 min here), so the test lets the first attempt reach step 1 with a generous
-    limit and then shortens the limit to 3 to 4 minutes from now: the signal (150 s before the limit)
+    limit and then shortens the limit to 2 to 3 minutes from now: the signal (150 s before the limit)
     falls due within about a minute and Slurm delivers it at its next time-limit check (every 30 s).
     Slurm holds a requeued job for about 2 minutes (BeginTime); the test releases it at once and gives it
     a limit the remaining steps fit in.
     """
     out = tmp_path / "run"
-    num_steps = 16
+    num_steps = 48
     env = {**job_env(slurm_cluster), "NRC_IMAGE": "none", "NRC_NPROC_PER_NODE": "1",
            "MASTER_PORT": str(_free_port())}
     started = time.monotonic()
@@ -177,9 +177,10 @@ def test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflo
     wait_for("the first attempt's first step", lambda: steps_done() >= 1 or job_field("JobState") not in live)
     assert job_field("JobState") == "RUNNING" and job_field("Restarts") == "0", (
         job_field("JobState"), log_file.read_text()[-4000:] if log_file.exists() else "(no log)")
-    # The new limit leaves 3 to 4 minutes: less than the 150 s of --signal once the next minute starts, so the
-    # signal falls due within about a minute, and time enough for the stop (a checkpoint) before the limit.
-    minutes = int(_runtime_seconds(job_field("RunTime")) // 60) + 4
+    # The new limit leaves 2 to 3 minutes: the 150 s of --signal fall due within 30 s (Slurm's timer adds up to a
+    # minute), with time enough for the stop (a step and a checkpoint) before the limit. 48 steps outlast that on
+    # an idle machine (about 3 s a step): with 16 an unloaded run finished before the signal came.
+    minutes = int(_runtime_seconds(job_field("RunTime")) // 60) + 3
     slurm_cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}")
     signalled_after = time.monotonic() - started
     # The ranks stop, the script requeues: the job is pending again with one restart.
