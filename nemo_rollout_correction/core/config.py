@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 IsLevel = Literal["token", "sequence", "geometric"]
 IsMode = Literal["truncate", "mask"]
-LossType = Literal["ppo_clip", "reinforce", "cispo"]
+LossType = Literal["ppo_clip", "reinforce", "cispo", "gmpo"]
 NonFinitePolicy = Literal["raise", "mask_token", "reject_sequence"]
 OldLogprobSource = Literal["forward", "loglinear"]
 RsStatistic = Literal["k1", "k2", "k3"]
@@ -115,13 +115,20 @@ class RolloutCorrectionConfig:
     (0: never)."""
 
     loss_type: LossType = "ppo_clip"
-    """Policy loss: `ppo_clip`, `reinforce` (bypass only: pure IS, -sg(w) * A * log pi_theta) or `cispo` (math.md)."""
+    """Policy loss: `ppo_clip`, `reinforce` (bypass only: pure IS, -sg(w) * A * log pi_theta), `cispo` or `gmpo`
+    (math.md)."""
 
     cispo_ratio_low: float = 0.0
     """CISPO: lower bound on the ratio r before the stop-gradient (0 = no lower bound, ScaleRL / SkyRL default)."""
 
     cispo_ratio_high: float = 5.0
     """CISPO: upper bound on the ratio r (5.0 = SkyRL's default 1 + cispo_eps_clip_high = 1 + 4)."""
+
+    gmpo_ratio_low: float = math.exp(-0.4)
+    """GMPO: lower clip bound on each token ratio, in (0, 1] (TRL's default exp(-epsilon), epsilon = 0.4)."""
+
+    gmpo_ratio_high: float = math.exp(0.4)
+    """GMPO: upper clip bound on each token ratio, >= 1 (TRL's default exp(epsilon_high) = exp(0.4))."""
 
     metrics_only: bool = False
     """Compute every diagnostic but apply nothing: weights are 1 and only the non-finite policy edits the mask."""
@@ -192,6 +199,10 @@ class RolloutCorrectionConfig:
                              "ratio pi_theta/pi_rollout already is the IS correction (SkyRL's cispo_anchor='rollout' "
                              "refuses TIS for the same reason)")
         _check_cispo_bounds(self.cispo_ratio_low, self.cispo_ratio_high)
+        if self.bypass_mode and self.loss_type == "gmpo" and self.rollout_is is not None:
+            raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='gmpo': GMPO's clipped "
+                             "ratio pi_theta/pi_rollout already is the IS correction (weights would apply twice)")
+        _check_gmpo_bounds(self.gmpo_ratio_low, self.gmpo_ratio_high)
         if self.loss_type == "reinforce" and not self.bypass_mode:
             raise ValueError("loss_type='reinforce' (pure IS) needs bypass_mode=true; in decoupled mode choose "
                              "the policy loss with PolicyLossConfig.loss_type")
@@ -307,6 +318,16 @@ def _check_cispo_bounds(low: object, high: object) -> None:
     assert isinstance(low, (int, float)) and isinstance(high, (int, float))  # checked just above
     if low > high:
         raise ValueError(f"cispo_ratio_low ({low:g}) must be <= cispo_ratio_high ({high:g}): they bound the ratio r")
+
+
+def _check_gmpo_bounds(low: object, high: object) -> None:
+    _check_positive("gmpo_ratio_low", low)
+    _check_positive("gmpo_ratio_high", high)
+    assert isinstance(low, (int, float)) and isinstance(high, (int, float))  # checked just above
+    if low > 1.0:
+        raise ValueError(f"gmpo_ratio_low must be in (0, 1] (it clips the token ratio from below), got {low!r}")
+    if high < 1.0:
+        raise ValueError(f"gmpo_ratio_high must be >= 1 (it clips the token ratio from above), got {high!r}")
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -44,7 +44,7 @@ class CorrectedLossOutput:
 
 
 def policy_loss_for(rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig | None) -> PolicyLossConfig:
-    """The policy loss the correction config selects: `reinforce` (pure IS) and `cispo` override
+    """The policy loss the correction config selects: `reinforce` (pure IS), `cispo` and `gmpo` override
     `loss_cfg.loss_type` (presets choose them); `ppo_clip` keeps `loss_cfg` as given."""
     loss_cfg = loss_cfg or PolicyLossConfig()
     if rc_cfg.pure_is:
@@ -52,6 +52,9 @@ def policy_loss_for(rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig 
     if rc_cfg.loss_type == "cispo":
         return replace(loss_cfg, loss_type="cispo", clip_ratio_c=None, cispo_ratio_low=rc_cfg.cispo_ratio_low,
                        cispo_ratio_high=rc_cfg.cispo_ratio_high)
+    if rc_cfg.loss_type == "gmpo":
+        return replace(loss_cfg, loss_type="gmpo", clip_ratio_c=None, gmpo_ratio_low=rc_cfg.gmpo_ratio_low,
+                       gmpo_ratio_high=rc_cfg.gmpo_ratio_high)
     return loss_cfg
 
 

@@ -31,13 +31,15 @@ __all__ = [
     "add_rollout_log_ratio_penalty",
     "cispo_loss",
     "compute_policy_loss",
+    "gmpo_clipped_log_ratio",
+    "gmpo_loss",
     "gspo_loss",
     "ppo_clip_loss",
     "reinforce_loss",
     "stats_to_means",
 ]
 
-PolicyLossType = Literal["ppo_clip", "gspo", "reinforce", "cispo"]
+PolicyLossType = Literal["ppo_clip", "gspo", "reinforce", "cispo", "gmpo"]
 POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
 
 # Log-ratios are clamped before exp (DESIGN decision 3): an overflow caps instead of becoming inf.
@@ -59,7 +61,8 @@ class PolicyLossConfig:
     """Which policy loss to use and how to clip and reduce it."""
 
     loss_type: PolicyLossType = "ppo_clip"
-    """``ppo_clip`` (PPO, optional dual clip), ``gspo`` (sequence-level ratio), ``reinforce`` or ``cispo``."""
+    """``ppo_clip`` (PPO, optional dual clip), ``gspo`` (sequence-level ratio), ``reinforce``, ``cispo`` or
+    ``gmpo`` (geometric mean of the clipped token ratios)."""
     clip_ratio_low: float = 0.2
     """eps_low: the ratio is clipped below at ``1 - clip_ratio_low``; in [0, 1)."""
     clip_ratio_high: float = 0.2
@@ -72,6 +75,10 @@ class PolicyLossConfig:
     """CISPO: lower bound on the ratio before its stop-gradient (>= 0; 0 = none)."""
     cispo_ratio_high: float = 5.0
     """CISPO: upper bound on the ratio before its stop-gradient (>= cispo_ratio_low)."""
+    gmpo_ratio_low: float = math.exp(-0.4)
+    """GMPO: lower clip bound on each token ratio (0 < low <= 1; TRL's exp(-epsilon), epsilon = 0.4)."""
+    gmpo_ratio_high: float = math.exp(0.4)
+    """GMPO: upper clip bound on each token ratio (>= 1; TRL's exp(epsilon_high))."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in POLICY_LOSS_TYPES:
@@ -85,6 +92,7 @@ class PolicyLossConfig:
                 f"set it to None for loss_type={self.loss_type!r}"
             )
         _check_cispo_ratios(self.cispo_ratio_low, self.cispo_ratio_high)
+        _check_gmpo_ratios(self.gmpo_ratio_low, self.gmpo_ratio_high)
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(
                 f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg_mode!r}"
@@ -99,11 +107,14 @@ def compute_policy_loss(
     cfg: PolicyLossConfig,
     *,
     is_weights: Tensor | None = None,
+    seq_mean_log_ratio: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Dispatch to the loss named by ``cfg.loss_type``; all tensors ``[batch, seq]``.
 
     The result is per-token: reduce it with ``aggregate_loss(out.per_token_loss, mask,
-    cfg.loss_agg_mode, ...)`` and the step's global denominator.
+    cfg.loss_agg_mode, ...)`` and the step's global denominator. ``seq_mean_log_ratio``
+    (``[batch]``, GMPO only): the per-sequence mean of the clipped log-ratios over the whole
+    sequence, which a context-parallel caller completes over its CP group.
     """
     if cfg.loss_type == "ppo_clip":
         return ppo_clip_loss(
@@ -129,6 +140,10 @@ def compute_policy_loss(
     if cfg.loss_type == "cispo":
         return cispo_loss(logprobs, old_logprobs, advantages, mask, is_weights=is_weights,
                           ratio_low=cfg.cispo_ratio_low, ratio_high=cfg.cispo_ratio_high)
+    if cfg.loss_type == "gmpo":
+        return gmpo_loss(logprobs, old_logprobs, advantages, mask, is_weights=is_weights,
+                         ratio_low=cfg.gmpo_ratio_low, ratio_high=cfg.gmpo_ratio_high,
+                         seq_mean_log_ratio=seq_mean_log_ratio)
     return reinforce_loss(logprobs, advantages, mask, is_weights=is_weights, old_logprobs=old_logprobs)
 
 
@@ -173,6 +188,82 @@ def cispo_loss(
         "pg_clipfrac_sum": _count((below | above) & keep),
         "pg_clipfrac_lower_sum": _count(below & keep),
         "cispo_weight_sum": _sum64(weight, keep),
+        "ppo_kl_sum": _sum64(-log_ratio, keep),
+        "num_tokens": _count(keep),
+    }
+    return PolicyLossOutput(per_token_loss, stats)
+
+
+def gmpo_clipped_log_ratio(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, ratio_low: float, ratio_high: float
+) -> Tensor:
+    """GMPO's per-token clipped log-ratio ``[batch, seq]`` (gradient through ``logprobs`` where unclipped).
+
+    PPO's pessimistic one-sided clip written in log space: ``min(l, log high)`` where ``A > 0`` and
+    ``max(l, log low)`` where ``A <= 0``, ``l = logprobs - old_logprobs`` (TRL's
+    ``where(A > 0, minimum(l, clamp(l)), maximum(l, clamp(l)))``, the same values).
+    Inputs must already be finite (see ``_mask_inputs``).
+    """
+    log_ratio = logprobs - old_logprobs
+    clamped = log_ratio.clamp(math.log(ratio_low), math.log(ratio_high))
+    return torch.where(advantages > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
+
+
+def gmpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    is_weights: Tensor | None = None,
+    ratio_low: float = math.exp(-0.4),
+    ratio_high: float = math.exp(0.4),
+    seq_mean_log_ratio: Tensor | None = None,
+) -> PolicyLossOutput:
+    """GMPO (geometric-mean policy optimisation): the token ratios of a sequence combined by their
+    geometric mean, each clipped first (PPO's one-sided clip, in log space).
+
+    Sequence objective: ``-A_i * G_i`` with ``G_i = exp(mean_t c_t)`` over the kept tokens, ``c_t`` the
+    clipped log-ratio (:func:`gmpo_clipped_log_ratio`). Per token the loss is
+    ``-A * exp(sg(m_i) + c_t - sg(c_t))``: its value is ``-A_i G_i`` on every token of the sequence and
+    its gradient ``-A_i G_i grad(c_t)``, so the ``seq-mean-token-mean`` aggregation gives exactly the
+    gradient of ``-A_i G_i`` averaged over sequences (TRL's GMPO). Other aggregation modes weight each
+    sequence's term by its token count instead. IS weights (decoupled mode) multiply per token.
+
+    Args:
+        logprobs, old_logprobs, advantages, mask, is_weights: as in :func:`ppo_clip_loss`.
+        ratio_low, ratio_high: the clip range of each token ratio, ``0 < low <= 1 <= high``.
+        seq_mean_log_ratio: ``[batch]`` ``m_i``, the masked mean of the clipped log-ratios over the
+            whole sequence; a context-parallel caller passes it (CP-reduced). ``None``: from the local
+            tokens.
+
+    Returns:
+        per-token loss and stats ``pg_clipfrac_sum`` (tokens whose clip was active: ``A > 0`` above
+        ``high`` or ``A < 0`` below ``low``), ``pg_clipfrac_lower_sum`` (the latter),
+        ``gmpo_seq_ratio_sum`` (``G_i`` summed over the kept tokens), ``ppo_kl_sum``, ``num_tokens``.
+    """
+    _check_gmpo_ratios(ratio_low, ratio_high)
+    keep, (logprobs, old_logprobs, advantages) = _mask_inputs(
+        mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
+    )
+    clipped = gmpo_clipped_log_ratio(logprobs, old_logprobs, advantages, ratio_low=ratio_low, ratio_high=ratio_high)
+    clipped = torch.where(keep, clipped, torch.zeros_like(clipped))
+    if seq_mean_log_ratio is None:
+        seq_mean_log_ratio = safe_divide(clipped.detach().sum(dim=-1), keep.sum(dim=-1).to(clipped.dtype))
+    elif seq_mean_log_ratio.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"seq_mean_log_ratio must be [batch] = {tuple(logprobs.shape[:1])}, got {tuple(seq_mean_log_ratio.shape)}"
+        )
+    log_seq = seq_mean_log_ratio.detach().to(clipped.dtype).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_ratio = torch.exp(log_seq.unsqueeze(-1) + clipped - clipped.detach())
+    per_token_loss = _apply_is_weights(-advantages * seq_ratio, is_weights, keep)
+    log_ratio = (logprobs - old_logprobs).detach()
+    low = (advantages < 0) & (log_ratio < math.log(ratio_low))
+    high = (advantages > 0) & (log_ratio > math.log(ratio_high))
+    stats = {
+        "pg_clipfrac_sum": _count((low | high) & keep),
+        "pg_clipfrac_lower_sum": _count(low & keep),
+        "gmpo_seq_ratio_sum": _sum64(seq_ratio, keep),
         "ppo_kl_sum": _sum64(-log_ratio, keep),
         "num_tokens": _count(keep),
     }
@@ -386,6 +477,15 @@ def _check_cispo_ratios(ratio_low: float, ratio_high: float) -> None:
         raise ValueError(
             f"cispo_ratio_low / cispo_ratio_high must satisfy 0 <= low <= high, 0 < high < inf (they bound the ratio "
             f"pi_theta / pi_old); got low={ratio_low}, high={ratio_high}"
+        )
+
+
+def _check_gmpo_ratios(ratio_low: float, ratio_high: float) -> None:
+    # "not (ok)" so that NaN fails.
+    if not (0.0 < ratio_low <= 1.0 <= ratio_high < math.inf):
+        raise ValueError(
+            f"gmpo_ratio_low / gmpo_ratio_high must satisfy 0 < low <= 1 <= high < inf (they clip each token ratio "
+            f"pi_theta / pi_old; TRL's exp(-epsilon), exp(epsilon_high)); got low={ratio_low}, high={ratio_high}"
         )
 
 

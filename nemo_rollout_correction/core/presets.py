@@ -11,6 +11,7 @@ tests/unit/test_presets_yaml.py fails when they drift).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 _GEO_BOUNDS = "0.999_1.001"  # verl's geometric RS default: +-0.1% on the geometric-mean ratio
@@ -157,6 +158,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cispo": {"loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},
     # ... or on pi_rollout without the old-logprob pass (cispo_anchor='rollout'; no extra IS on top).
     "bypass_cispo": {"bypass_mode": True, "loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},
+    # GMPO with TRL's / the paper's clip range (exp(-0.4), exp(0.4)) on each token ratio before the geometric
+    # mean, on pi_old (TRL's old_per_token_logps) ...
+    "gmpo": {"loss_type": "gmpo", "gmpo_ratio_low": math.exp(-0.4), "gmpo_ratio_high": math.exp(0.4)},
+    # ... or on pi_rollout without the old-logprob pass (no extra IS on top).
+    "bypass_gmpo": {"bypass_mode": True, "loss_type": "gmpo", "gmpo_ratio_low": math.exp(-0.4),
+                    "gmpo_ratio_high": math.exp(0.4)},
 }
 
 # Seed names that mean exactly one of the presets above.

@@ -49,8 +49,10 @@ from nemo_rollout_correction.core.policy_loss import (
     PolicyLossConfig,
     add_rollout_log_ratio_penalty,
     compute_policy_loss,
+    gmpo_clipped_log_ratio,
 )
 from nemo_rollout_correction.core.stats import Partials
+from nemo_rollout_correction.distributed.context_parallel import gather_sequence_partials
 from nemo_rollout_correction.distributed.correction import (
     NUM_DENOMINATOR_SEQS,
     MicrobatchCorrection,
@@ -143,7 +145,7 @@ class RolloutCorrectedPolicyLoss:
     rc_cfg: the rollout correction (mode, IS, RS, veto, non-finite policy).
     loss_cfg: the policy loss and aggregation mode (default: PPO clip, `token-mean`). With
         `rc_cfg.pure_is` (bypass + reinforce) the loss type is forced to `reinforce`, with
-        `rc_cfg.loss_type='cispo'` to `cispo` (`core.objective.policy_loss_for`).
+        `rc_cfg.loss_type='cispo'` / `'gmpo'` to that loss (`core.objective.policy_loss_for`).
     norm_length: the constant length of `seq-mean-token-sum-norm` (default: the padded length of
         the full sequence, `local_seq * cp_size`); pass the maximum response length when
         microbatches are padded differently.
@@ -272,7 +274,9 @@ class RolloutCorrectedPolicyLoss:
         use_weights = cfg.rollout_is is not None and not cfg.metrics_only
         keep = correction.keep_mask
         policy = compute_policy_loss(logprobs, reference.detach(), advantages, keep, self.loss_cfg,
-                                     is_weights=correction.is_weights if use_weights else None)
+                                     is_weights=correction.is_weights if use_weights else None,
+                                     seq_mean_log_ratio=self._gmpo_seq_mean(logprobs, reference, advantages,
+                                                                            correction, groups))
         if cfg.rollout_log_ratio_penalty > 0:
             policy = add_rollout_log_ratio_penalty(policy, logprobs, rollout_logprobs, keep,
                                                    cfg.rollout_log_ratio_penalty)
@@ -288,6 +292,25 @@ class RolloutCorrectedPolicyLoss:
             loss = safe_divide(loss_sum, global_count)
         return MicrobatchLoss(loss=loss, loss_sum=loss_sum, num_denominator=num_denominator,
                               correction=correction, policy_stats=policy.stats)
+
+    def _gmpo_seq_mean(self, logprobs: Tensor, reference: Tensor, advantages: Tensor,
+                       correction: MicrobatchCorrection, groups: ParallelGroups) -> Tensor | None:
+        """GMPO's per-sequence mean clipped log-ratio `[batch]` over the whole sequence (detached): under CP
+        each rank holds part of a sequence, so its sum travels in one CP all-gather (None otherwise: the
+        loss takes it from the local tokens)."""
+        cfg = self.loss_cfg
+        if cfg.loss_type != "gmpo" or groups.cp_size == 1:
+            return None
+        keep = correction.keep_mask
+        zeros = torch.zeros_like(logprobs)
+        clipped = gmpo_clipped_log_ratio(torch.where(keep, logprobs.detach(), zeros),
+                                         torch.where(keep, reference.detach(), zeros),
+                                         torch.where(keep, advantages, zeros),
+                                         ratio_low=cfg.gmpo_ratio_low, ratio_high=cfg.gmpo_ratio_high)
+        local = Partials(sums={"gmpo_clipped": torch.where(keep, clipped, zeros).sum(dim=-1).to(torch.float64)})
+        total = gather_sequence_partials(local, groups).reduced.sums["gmpo_clipped"]
+        counts = correction.seq_kept_tokens.to(device=total.device, dtype=torch.float64)
+        return safe_divide(total, counts)
 
     def _numerator(self, per_token_loss: Tensor, correction: MicrobatchCorrection,
                    groups: ParallelGroups) -> tuple[Tensor, Tensor]:

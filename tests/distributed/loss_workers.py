@@ -79,6 +79,10 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
                            dppo_tv_threshold=0.2, dppo_tv_threshold_low=0.2, rollout_log_ratio_penalty=0.05,
                            nonfinite_policy="mask_token"),
     "bypass_cispo": _cfg(bypass_mode=True, loss_type="cispo", cispo_ratio_low=0.95, cispo_ratio_high=1.05),
+    # GMPO: the geometric mean over the whole sequence (a CP all-gather of the clipped log-ratio sums).
+    "gmpo_tis": _cfg(loss_type="gmpo", gmpo_ratio_low=0.97, gmpo_ratio_high=1.02, rollout_is="token",
+                     rollout_is_threshold=1.1),
+    "bypass_gmpo": _cfg(bypass_mode=True, loss_type="gmpo", gmpo_ratio_low=0.95, gmpo_ratio_high=1.03),
 }
 
 

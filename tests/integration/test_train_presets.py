@@ -93,7 +93,8 @@ def test_every_preset_runs_one_step(trainer: Any) -> None:
         # The 2026 objectives log their own loss/* terms, and only when configured (never a stray 0.0).
         assert ("loss/cispo_weight" in metrics) == (cfg.loss_type == "cispo"), name
         assert ("loss/rollout_sq_log_ratio" in metrics) == (cfg.rollout_log_ratio_penalty > 0), name
-        for key in ("loss/cispo_weight", "loss/rollout_sq_log_ratio"):
+        assert ("loss/gmpo_seq_ratio" in metrics) == (cfg.loss_type == "gmpo"), name
+        for key in ("loss/cispo_weight", "loss/rollout_sq_log_ratio", "loss/gmpo_seq_ratio"):
             if key in metrics:
                 assert math.isfinite(metrics[key]), (name, key)
         if not cfg.bypass_mode:  # (a skipped pass differs from a fast one only in wall time: not asserted here)

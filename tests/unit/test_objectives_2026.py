@@ -6,9 +6,13 @@ current logprobs. Sources read (repository @ commit, file):
 
 - CISPO: NovaSky-AI/SkyRL @ 03d74caf596391a62a53528ca9d23a51baffae3c,
   skyrl/backends/skyrl_train/utils/ppo_utils.py, `compute_policy_loss_cispo` (with `cispo_anchor`).
+- GMPO: huggingface/trl @ f2cd57710ae345ea6428ae95363267fcf38a3dc8 (PR #6078 merged as c62558ebe),
+  trl/experimental/gmpo/gmpo_trainer.py, `GMPOTrainer._compute_loss` (beta = 0, no entropy mask).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ from torch import Tensor
 
 from nemo_rollout_correction import RolloutCorrectionConfig
 from nemo_rollout_correction.core.objective import rollout_corrected_policy_loss
-from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, cispo_loss
+from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, cispo_loss, gmpo_loss
 
 ROWS, COLS = 4, 7
 
@@ -279,3 +283,82 @@ def test_rollout_log_ratio_penalty_with_dppo_masking_differs_only_on_masked_toke
 def test_rollout_log_ratio_penalty_bad_value_names_the_field(value: float) -> None:
     with pytest.raises(ValueError, match="rollout_log_ratio_penalty"):
         RolloutCorrectionConfig(rollout_log_ratio_penalty=value)
+
+
+# ---- GMPO ---------------------------------------------------------------------------------------
+
+
+def trl_gmpo_loss(per_token_logps: Tensor, old_per_token_logps: Tensor, advantages: Tensor, mask: Tensor,
+                  epsilon_low: float, epsilon_high: float) -> Tensor:
+    """TRL's GMPOTrainer._compute_loss (beta 0, no entropy mask, one accumulation step), transcribed:
+    clip each log-ratio one-sidedly by the advantage sign, geometric mean per sequence, mean over sequences.
+    advantages: [B]."""
+    log_ratio = per_token_logps - old_per_token_logps
+    clamped_log_ratio = torch.clamp(log_ratio, min=-epsilon_low, max=epsilon_high)
+    advantages_col = advantages.unsqueeze(1)
+    clipped_log_ratio = torch.where(advantages_col > 0, torch.minimum(log_ratio, clamped_log_ratio),
+                                    torch.maximum(log_ratio, clamped_log_ratio))
+    log_importance_weights = (clipped_log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    coef = torch.exp(log_importance_weights)
+    per_sequence_loss = -coef * advantages
+    return per_sequence_loss.mean()
+
+
+@pytest.mark.parametrize(("eps_low", "eps_high"), [(0.4, 0.4), (0.1, 0.3), (1e-3, 2.0)])
+@pytest.mark.parametrize("bypass", [False, True])
+def test_gmpo_matches_trl(eps_low: float, eps_high: float, bypass: bool) -> None:
+    """Loss and gradient of TRL's GMPO equal ours with seq-mean-token-mean (TRL's mean over sequences), the
+    clip range given as ratios exp(-epsilon), exp(epsilon_high); anchored on pi_old, or on pi_rollout."""
+    d = _inputs(2)
+    adv = d["advantages"][:, 0]
+    anchor = d["rollout"] if bypass else d["old"]
+    mask = d["mask"].double()
+    ref = _grad(lambda lp: trl_gmpo_loss(lp, anchor, adv, mask, eps_low, eps_high), d["logprobs"])
+    cfg = RolloutCorrectionConfig.from_dict({"loss_type": "gmpo", "bypass_mode": bypass,
+                                            "gmpo_ratio_low": math.exp(-eps_low),
+                                            "gmpo_ratio_high": math.exp(eps_high),
+                                            "rollout_token_veto_threshold": None})
+    ours = _grad(lambda lp: rollout_corrected_policy_loss(lp, d["rollout"], adv, d["mask"], cfg,
+                                                          PolicyLossConfig(loss_agg_mode="seq-mean-token-mean"),
+                                                          old_logprobs=d["old"]).loss, d["logprobs"])
+    assert ours[0] == pytest.approx(ref[0], abs=1e-12)
+    torch.testing.assert_close(ours[1], ref[1], atol=1e-12, rtol=0)
+    # Some tokens of the inputs are clipped (the test is not vacuous) and the clip removes their gradient.
+    out = gmpo_loss(d["logprobs"], anchor, d["advantages"], d["mask"], ratio_low=math.exp(-eps_low),
+                    ratio_high=math.exp(eps_high))
+    assert float(out.stats["pg_clipfrac_sum"]) > 0
+
+
+def test_gmpo_preset_is_trl_defaults() -> None:
+    cfg = RolloutCorrectionConfig.from_preset("gmpo")
+    assert cfg.loss_type == "gmpo" and cfg.gmpo_ratio_low == math.exp(-0.4) and cfg.gmpo_ratio_high == math.exp(0.4)
+    assert RolloutCorrectionConfig.from_preset("bypass_gmpo").bypass_mode
+
+
+def test_gmpo_value_is_the_sequence_ratio_on_every_token() -> None:
+    """Per token the loss value is -A * G_i (the sequence's clipped geometric mean), whatever the token."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    old = torch.tensor([[-1.1, -1.5, -0.5]], dtype=torch.float64)
+    adv = torch.full((1, 3), 2.0, dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    out = gmpo_loss(logprobs, old, adv, mask, ratio_low=0.5, ratio_high=1.05)
+    clipped = torch.tensor([min(0.1, math.log(1.05)), -0.5, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(out.per_token_loss, torch.full((1, 3), -2.0 * math.exp(float(clipped.mean())),
+                                                              dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("fields", "name"), [
+    ({"gmpo_ratio_low": 0.0}, "gmpo_ratio_low"),
+    ({"gmpo_ratio_low": 1.2}, "gmpo_ratio_low"),
+    ({"gmpo_ratio_high": 0.9}, "gmpo_ratio_high"),
+    ({"gmpo_ratio_high": float("inf")}, "gmpo_ratio_high"),
+    ({"gmpo_ratio_low": float("nan")}, "gmpo_ratio_low"),
+    ({"bypass_mode": True, "rollout_is": "token"}, "rollout_is"),
+])
+def test_gmpo_bad_bounds_raise_naming_the_field(fields: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        RolloutCorrectionConfig.from_dict({"loss_type": "gmpo", **fields})
+    if name.startswith("gmpo"):
+        with pytest.raises(ValueError, match="gmpo_ratio"):
+            PolicyLossConfig(loss_type="gmpo", gmpo_ratio_low=float(fields.get("gmpo_ratio_low", 0.5)),  # type: ignore[arg-type]
+                             gmpo_ratio_high=float(fields.get("gmpo_ratio_high", 1.5)))  # type: ignore[arg-type]
