@@ -161,7 +161,13 @@ class RolloutCorrectionConfig:
     seq_logprob_error_threshold: float | None = None
     """Reject a sequence whose mean_t exp(|log pi_train - log pi_rollout|) exceeds this (>= 1; NeMo-RL); None = off."""
 
+    m2po_threshold: float | None = None
+    """M2PO: mask the tokens with the largest squared log-ratio until the step's mean squared log-ratio over the
+    rest is below this bound (AReaL's m2_threshold, 0.04 in its example); None = off."""
+
     _criteria: tuple[RejectionCriterion, ...] = field(default=(), init=False, repr=False, compare=False)
+    _m2po_cutoff: float | None = field(default=None, init=False, repr=False, compare=False)
+    """The step's M2PO cutoff on the squared log-ratio (kept: <= cutoff), set by `with_step_thresholds`."""
 
     def __post_init__(self) -> None:
         _check_choice("rollout_is", self.rollout_is, IS_LEVELS, allow_none=True)
@@ -224,6 +230,11 @@ class RolloutCorrectionConfig:
             if self.seq_logprob_error_threshold < 1.0:
                 raise ValueError("seq_logprob_error_threshold bounds a mean of exp(|log-ratio|) (always >= 1): it must "
                                  f"be >= 1 (NVIDIA's recipes use 2) or null, got {self.seq_logprob_error_threshold!r}")
+        if self.m2po_threshold is not None:
+            _check_positive("m2po_threshold", self.m2po_threshold)
+            if self.old_logprob_source == "loglinear":
+                raise ValueError("m2po_threshold needs the step's log-ratios before the update (a pre-pass); "
+                                 "old_logprob_source='loglinear' has none: use 'forward' or set m2po_threshold null")
         object.__setattr__(self, "_criteria", _parse_rejection(self.rollout_rs, self.rollout_rs_threshold))
 
     # ---- derived views -------------------------------------------------------------------
@@ -249,6 +260,33 @@ class RolloutCorrectionConfig:
     def needs_advantages(self) -> bool:
         """True when a mask reads the advantages (OPSM, DPPO-TV): the correction must be given them."""
         return self.opsm_threshold is not None or self.dppo_tv_threshold is not None
+
+    @property
+    def needs_step_thresholds(self) -> bool:
+        """True when a threshold is chosen from the whole step's log-ratios (M2PO): the correction of a
+        microbatch needs `with_step_thresholds` first (`distributed.resolve_step_config` across ranks)."""
+        return self.m2po_threshold is not None
+
+    @property
+    def step_thresholds_resolved(self) -> bool:
+        """Whether every step-level threshold this config needs has been set (`with_step_thresholds`)."""
+        return self.m2po_threshold is None or self._m2po_cutoff is not None
+
+    @property
+    def m2po_cutoff(self) -> float | None:
+        """The step's M2PO cutoff on the squared log-ratio (tokens above it are masked); None until resolved."""
+        return self._m2po_cutoff
+
+    def with_step_thresholds(self, *, m2po_cutoff: float | None = None) -> RolloutCorrectionConfig:
+        """A copy with the step-level thresholds set (equal to `self` under ==: they are step data, not config)."""
+        new = dataclasses.replace(self)
+        object.__setattr__(new, "_m2po_cutoff", m2po_cutoff)
+        return new
+
+    def carry_step_thresholds(self, other: RolloutCorrectionConfig) -> RolloutCorrectionConfig:
+        """`other` (a `dataclasses.replace` of self) with self's step-level thresholds (replace drops them)."""
+        object.__setattr__(other, "_m2po_cutoff", self._m2po_cutoff)
+        return other
 
     @property
     def pure_is(self) -> bool:

@@ -162,6 +162,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # mean, on pi_old (TRL's old_per_token_logps) ...
     "gmpo": {"loss_type": "gmpo", "gmpo_ratio_low": math.exp(-0.4), "gmpo_ratio_high": math.exp(0.4)},
     # ... or on pi_rollout without the old-logprob pass (no extra IS on top).
+    # M2PO at AReaL's example bound (examples/math/gsm8k_m2po.yaml: m2_threshold 0.04), decided over the step.
+    "m2po": {"m2po_threshold": 0.04},
     "bypass_gmpo": {"bypass_mode": True, "loss_type": "gmpo", "gmpo_ratio_low": math.exp(-0.4),
                     "gmpo_ratio_high": math.exp(0.4)},
 }

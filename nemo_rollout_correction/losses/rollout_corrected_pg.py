@@ -59,6 +59,7 @@ from nemo_rollout_correction.distributed.correction import (
     StepReduction,
     distributed_rollout_correction,
     reduce_step,
+    resolve_step_config,
 )
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 
@@ -135,7 +136,7 @@ def rejection_is_predictable(cfg: RolloutCorrectionConfig) -> bool:
         return True
     masking_is = cfg.rollout_is is not None and cfg.rollout_is_mode == "mask"
     frontier = (cfg.opsm_threshold is not None or cfg.kpop_threshold is not None or cfg.dppo_tv_threshold is not None
-                or cfg.seq_logprob_error_threshold is not None)
+                or cfg.seq_logprob_error_threshold is not None or cfg.m2po_threshold is not None)
     return not (cfg.rejection_criteria or cfg.rollout_token_veto_threshold is not None or masking_is or frontier)
 
 
@@ -171,6 +172,18 @@ class RolloutCorrectedPolicyLoss:
         return self.agg_mode in TOKEN_DENOMINATOR_MODES
 
     # ---- the step-level pre-pass ---------------------------------------------------------------
+
+    def for_step(self, microbatches: Sequence[tuple[Tensor, Tensor, Tensor]],
+                 groups: ParallelGroups) -> RolloutCorrectedPolicyLoss:
+        """This loss with the step-level thresholds (M2PO) chosen from the whole step; `self` without any.
+
+        microbatches: this rank's `(reference_logprobs, rollout_logprobs, loss_mask)` shards of the step
+        (reference as for `correct`). Call it before `correct`; every dp x cp rank of the last stage calls it.
+        """
+        cfg = resolve_step_config(self.rc_cfg, microbatches, groups)
+        if cfg is self.rc_cfg:
+            return self
+        return RolloutCorrectedPolicyLoss(cfg, self.loss_cfg, norm_length=self.norm_length)
 
     def correct(self, reference_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
                 groups: ParallelGroups, *, is_weight_mean: float | None = None,
@@ -213,7 +226,7 @@ class RolloutCorrectedPolicyLoss:
                                   rollout_token_veto_threshold=None, bypass_mode=False, loss_type="ppo_clip",
                                   metrics_only=False, opsm_threshold=None, kpop_threshold=None,
                                   dppo_tv_threshold=None, dppo_tv_threshold_low=None,
-                                  seq_logprob_error_threshold=None)
+                                  seq_logprob_error_threshold=None, m2po_threshold=None)
         corrections = [distributed_rollout_correction(rollout, rollout, mask, cfg, groups)
                        for rollout, mask in microbatches]
         step = reduce_step(corrections, cfg, groups)
@@ -265,8 +278,15 @@ class RolloutCorrectedPolicyLoss:
                 raise ValueError("rollout_is_batch_normalize needs the step's global IS-weight mean before the "
                                  "loss: pass denominators from prepare_step (or a precomputed correction)")
             judged = logprobs.detach() if cfg.bypass_mode else reference
-            correction = self.correct(judged, rollout_logprobs, loss_mask, groups, is_weight_mean=mean,
-                                      advantages=advantages)
+            stepped = self
+            if not cfg.step_thresholds_resolved:
+                # This microbatch is the whole step only without step denominators on a single dp x cp rank.
+                if denominators is not None or groups.dp_cp_size > 1:
+                    raise ValueError("m2po_threshold chooses its cutoff from the whole step: pass a correction from "
+                                     "the step's pre-pass (for_step, correct, prepare_step)")
+                stepped = self.for_step([(judged, rollout_logprobs, loss_mask)], groups)
+            correction = stepped.correct(judged, rollout_logprobs, loss_mask, groups, is_weight_mean=mean,
+                                         advantages=advantages)
         elif correction.batch_norm_pending:
             raise ValueError("the correction still awaits batch normalisation: call prepare_step on the step's "
                              "corrections before the loss")
@@ -275,7 +295,7 @@ class RolloutCorrectedPolicyLoss:
         keep = correction.keep_mask
         policy = compute_policy_loss(logprobs, reference.detach(), advantages, keep, self.loss_cfg,
                                      is_weights=correction.is_weights if use_weights else None,
-                                     seq_mean_log_ratio=self._gmpo_seq_mean(logprobs, reference, advantages,
+                                     seq_mean_log_ratio=self.gmpo_sequence_mean(logprobs, reference, advantages,
                                                                             correction, groups))
         if cfg.rollout_log_ratio_penalty > 0:
             policy = add_rollout_log_ratio_penalty(policy, logprobs, rollout_logprobs, keep,
@@ -293,8 +313,8 @@ class RolloutCorrectedPolicyLoss:
         return MicrobatchLoss(loss=loss, loss_sum=loss_sum, num_denominator=num_denominator,
                               correction=correction, policy_stats=policy.stats)
 
-    def _gmpo_seq_mean(self, logprobs: Tensor, reference: Tensor, advantages: Tensor,
-                       correction: MicrobatchCorrection, groups: ParallelGroups) -> Tensor | None:
+    def gmpo_sequence_mean(self, logprobs: Tensor, reference: Tensor, advantages: Tensor,
+                           correction: MicrobatchCorrection, groups: ParallelGroups) -> Tensor | None:
         """GMPO's per-sequence mean clipped log-ratio `[batch]` over the whole sequence (detached): under CP
         each rank holds part of a sequence, so its sum travels in one CP all-gather (None otherwise: the
         loss takes it from the local tokens)."""

@@ -87,9 +87,10 @@ def denominator_strategy(cfg: RolloutCorrectionConfig, *, kl_penalty_on: bool) -
     """
     if not cfg.bypass_mode and cfg.old_logprob_source == "forward":
         return "decoupled"
-    if rejection_is_predictable(cfg) and not cfg.rollout_is_batch_normalize:
+    step_wide = cfg.rollout_is_batch_normalize or cfg.needs_step_thresholds  # need the whole step's values first
+    if rejection_is_predictable(cfg) and not step_wide:
         return "rollout_only"
-    if cfg.rollout_is_batch_normalize or kl_penalty_on:
+    if step_wide or kl_penalty_on:
         return "prepass"
     return "post_scaled"
 
@@ -165,6 +166,7 @@ def plan_step(
     if reference_logprobs is None:
         raise ValueError(f"the {strategy!r} plan needs reference logprobs (old_logprobs or a no-grad pre-pass)")
     per_microbatch = advantages if advantages is not None else [None] * len(rollout_logprobs)
+    loss_fn = loss_fn.for_step(list(zip(reference_logprobs, rollout_logprobs, loss_masks, strict=True)), groups)
     corrections = tuple(
         loss_fn.correct(ref, rollout, mask, groups, advantages=adv)
         for ref, rollout, mask, adv in zip(reference_logprobs, rollout_logprobs, loss_masks, per_microbatch,

@@ -8,6 +8,8 @@ current logprobs. Sources read (repository @ commit, file):
   skyrl/backends/skyrl_train/utils/ppo_utils.py, `compute_policy_loss_cispo` (with `cispo_anchor`).
 - GMPO: huggingface/trl @ f2cd57710ae345ea6428ae95363267fcf38a3dc8 (PR #6078 merged as c62558ebe),
   trl/experimental/gmpo/gmpo_trainer.py, `GMPOTrainer._compute_loss` (beta = 0, no entropy mask).
+- M2PO: areal-project/AReaL @ cbff54d645d2cd8ee1f1c358a82f3f473588433d, areal/trainer/ppo/actor.py,
+  `_apply_m2po_masking` and `_get_m2po_loss_mask` (docs/en/algorithms/m2po.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor
 
 from nemo_rollout_correction import RolloutCorrectionConfig
+from nemo_rollout_correction.core.correction import compute_rollout_correction
 from nemo_rollout_correction.core.objective import rollout_corrected_policy_loss
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, cispo_loss, gmpo_loss
 
@@ -362,3 +365,83 @@ def test_gmpo_bad_bounds_raise_naming_the_field(fields: dict[str, object], name:
         with pytest.raises(ValueError, match="gmpo_ratio"):
             PolicyLossConfig(loss_type="gmpo", gmpo_ratio_low=float(fields.get("gmpo_ratio_low", 0.5)),  # type: ignore[arg-type]
                              gmpo_ratio_high=float(fields.get("gmpo_ratio_high", 1.5)))  # type: ignore[arg-type]
+
+
+# ---- M2PO ---------------------------------------------------------------------------------------
+
+
+def areal_get_m2po_loss_mask(sorted_m2: Tensor, m2_threshold: float) -> Tensor:
+    """AReaL's `_get_m2po_loss_mask`, transcribed (descending sorted second moments -> keep flags)."""
+    n = sorted_m2.numel()
+    if n == 0:
+        return torch.ones_like(sorted_m2, dtype=torch.bool)
+    suffix_sums = sorted_m2.flip(0).cumsum(0).flip(0)
+    counts = torch.arange(n, 0, -1, dtype=sorted_m2.dtype)
+    avg_m2_suffix = suffix_sums / counts
+    below_threshold_indices = torch.where(avg_m2_suffix < m2_threshold)[0]
+    num_to_mask = int(below_threshold_indices[0].item()) if len(below_threshold_indices) > 0 else n - 1
+    loss_mask = torch.ones_like(sorted_m2, dtype=torch.bool)
+    if num_to_mask > 0:
+        loss_mask[:num_to_mask] = False
+    return loss_mask
+
+
+def areal_apply_m2po_masking(old_logp: Tensor, prox_logp: Tensor, loss_mask: Tensor, m2_threshold: float) -> Tensor:
+    """AReaL's `_apply_m2po_masking`, transcribed: old_logp is the behaviour (rollout) policy, prox_logp pi_old."""
+    delta = old_logp - prox_logp
+    m2 = delta * delta
+    mask_flat = loss_mask.view(-1)
+    m2_selected = m2.view(-1)[mask_flat]
+    if m2_selected.numel() == 0:
+        return loss_mask
+    sorted_m2, indices = torch.sort(m2_selected, descending=True)
+    restored_indices = torch.argsort(indices)
+    m2_selected_mask = areal_get_m2po_loss_mask(sorted_m2, m2_threshold)[restored_indices]
+    m2_full_flat = torch.zeros_like(mask_flat, dtype=torch.bool)
+    m2_full_flat[mask_flat] = m2_selected_mask
+    return m2_full_flat.view_as(loss_mask)
+
+
+def areal_m2po_loss(logprobs: Tensor, prox: Tensor, behav: Tensor, adv: Tensor, mask: Tensor, threshold: float,
+                    eps: float = 0.2) -> Tensor:
+    """The M2PO objective of AReaL's doc: the PPO clip against pi_prox over the M2PO-masked tokens, / their count."""
+    keep = areal_apply_m2po_masking(behav, prox, mask, threshold)
+    ratio = torch.exp(logprobs - prox)
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps))
+    return torch.where(keep, loss, 0.0).sum() / keep.sum()
+
+
+@pytest.mark.parametrize("threshold", [0.04, 0.2, 1.0, 1e-4, 100.0])
+def test_m2po_matches_areal(threshold: float) -> None:
+    """Same keep mask as AReaL's M2PO on one batch (AReaL masks per microbatch, we per step: one batch here),
+    and the same PPO loss and gradient over it; the thresholds cover nothing masked (100), the usual case, and
+    AReaL's fallback where not even the smallest token is below the bound (1e-4: one token kept)."""
+    d = _inputs(3)
+    behav = d["old"] + 0.3 * torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    old32, behav32 = d["old"].float(), behav.float()  # our log-ratios are float32 (section 1); compare on those
+    ref_keep = areal_apply_m2po_masking(behav32, old32, d["mask"], threshold)  # float32, as AReaL's logprobs
+    cfg = RolloutCorrectionConfig(m2po_threshold=threshold, rollout_token_veto_threshold=None)
+    out = compute_rollout_correction(old32, behav32, d["mask"], cfg)
+    assert torch.equal(out.keep_mask, ref_keep)
+    if threshold == 1e-4:
+        assert int(ref_keep.sum()) == 1
+    ref = _grad(lambda lp: areal_m2po_loss(lp, old32.double(), behav32.double(), d["advantages"], d["mask"],
+                                           threshold), d["logprobs"])
+    ours = _grad(lambda lp: rollout_corrected_policy_loss(lp, behav32.double(), d["advantages"], d["mask"], cfg,
+                                                          old_logprobs=old32.double()).loss, d["logprobs"])
+    assert ours[0] == pytest.approx(ref[0], abs=1e-12)
+    torch.testing.assert_close(ours[1], ref[1], atol=1e-12, rtol=0)
+    m = out.metrics
+    kept_m2 = (old32 - behav32).double().square()[ref_keep]
+    assert m["rollout_corr/m2po_second_moment_kept"] == pytest.approx(float(kept_m2.mean()), rel=1e-12)
+    assert m["rollout_corr/m2po_masked_fraction"] == pytest.approx(1 - float(ref_keep.sum() / d["mask"].sum()))
+    if threshold != 1e-4:
+        assert m["rollout_corr/m2po_second_moment_kept"] < threshold
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), "0.04"])
+def test_m2po_bad_threshold_names_the_field(value: object) -> None:
+    with pytest.raises(ValueError, match="m2po_threshold"):
+        RolloutCorrectionConfig.from_dict({"m2po_threshold": value})
+    with pytest.raises(ValueError, match="m2po_threshold"):
+        RolloutCorrectionConfig.from_dict({"m2po_threshold": 0.04, "old_logprob_source": "loglinear"})
