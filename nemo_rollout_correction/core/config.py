@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 IsLevel = Literal["token", "sequence", "geometric"]
 IsMode = Literal["truncate", "mask"]
-LossType = Literal["ppo_clip", "reinforce", "cispo", "gmpo"]
+LossType = Literal["ppo_clip", "reinforce", "cispo", "gmpo", "vespo"]
 NonFinitePolicy = Literal["raise", "mask_token", "reject_sequence"]
 OldLogprobSource = Literal["forward", "loglinear"]
 RsStatistic = Literal["k1", "k2", "k3"]
@@ -115,8 +115,8 @@ class RolloutCorrectionConfig:
     (0: never)."""
 
     loss_type: LossType = "ppo_clip"
-    """Policy loss: `ppo_clip`, `reinforce` (bypass only: pure IS, -sg(w) * A * log pi_theta), `cispo` or `gmpo`
-    (math.md)."""
+    """Policy loss: `ppo_clip`, `reinforce` (bypass only: pure IS, -sg(w) * A * log pi_theta), `cispo`, `gmpo` or
+    `vespo` (math.md)."""
 
     cispo_ratio_low: float = 0.0
     """CISPO: lower bound on the ratio r before the stop-gradient (0 = no lower bound, ScaleRL / SkyRL default)."""
@@ -129,6 +129,18 @@ class RolloutCorrectionConfig:
 
     gmpo_ratio_high: float = math.exp(0.4)
     """GMPO: upper clip bound on each token ratio, >= 1 (TRL's default exp(epsilon_high) = exp(0.4))."""
+
+    vespo_k_pos: float = 2.0
+    """VESPO: power k of the Gamma kernel phi(w) = exp(lambda + k log w - lambda w) for advantages >= 0 (TRL: 2)."""
+
+    vespo_lambda_pos: float = 3.0
+    """VESPO: decay lambda of the kernel for advantages >= 0, > 0 (TRL: 3)."""
+
+    vespo_k_neg: float = 3.0
+    """VESPO: power k for advantages < 0, >= 0 (TRL: 3)."""
+
+    vespo_lambda_neg: float = 2.0
+    """VESPO: decay lambda for advantages < 0, > 0 (TRL: 2)."""
 
     metrics_only: bool = False
     """Compute every diagnostic but apply nothing: weights are 1 and only the non-finite policy edits the mask."""
@@ -209,6 +221,13 @@ class RolloutCorrectionConfig:
             raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='gmpo': GMPO's clipped "
                              "ratio pi_theta/pi_rollout already is the IS correction (weights would apply twice)")
         _check_gmpo_bounds(self.gmpo_ratio_low, self.gmpo_ratio_high)
+        if self.bypass_mode and self.loss_type == "vespo" and self.rollout_is is not None:
+            raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='vespo': VESPO's sequence "
+                             "weight of pi_theta/pi_rollout already is the IS correction (weights would apply twice)")
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            _check_nonnegative(name, getattr(self, name))
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            _check_positive(name, getattr(self, name))
         if self.loss_type == "reinforce" and not self.bypass_mode:
             raise ValueError("loss_type='reinforce' (pure IS) needs bypass_mode=true; in decoupled mode choose "
                              "the policy loss with PolicyLossConfig.loss_type")

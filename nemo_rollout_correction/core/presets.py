@@ -162,6 +162,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # mean, on pi_old (TRL's old_per_token_logps) ...
     "gmpo": {"loss_type": "gmpo", "gmpo_ratio_low": math.exp(-0.4), "gmpo_ratio_high": math.exp(0.4)},
     # ... or on pi_rollout without the old-logprob pass (no extra IS on top).
+    # VESPO with TRL's defaults (k, lambda) = (2, 3) for A >= 0 and (3, 2) for A < 0, on pi_old with TRL's default
+    # correction for it (vllm_importance_sampling_mode token_truncate, cap 3) folded into the sequence weight ...
+    "vespo": {"loss_type": "vespo", "rollout_is": "token", "rollout_is_threshold": 3.0},
+    # ... or on pi_rollout without the old-logprob pass (no extra IS on top).
+    "bypass_vespo": {"bypass_mode": True, "loss_type": "vespo"},
     # M2PO at AReaL's example bound (examples/math/gsm8k_m2po.yaml: m2_threshold 0.04), decided over the step.
     "m2po": {"m2po_threshold": 0.04},
     "bypass_gmpo": {"bypass_mode": True, "loss_type": "gmpo", "gmpo_ratio_low": math.exp(-0.4),

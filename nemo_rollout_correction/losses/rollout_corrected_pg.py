@@ -50,6 +50,7 @@ from nemo_rollout_correction.core.policy_loss import (
     add_rollout_log_ratio_penalty,
     compute_policy_loss,
     gmpo_clipped_log_ratio,
+    vespo_log_weight_sums,
 )
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.distributed.context_parallel import gather_sequence_partials
@@ -295,8 +296,8 @@ class RolloutCorrectedPolicyLoss:
         keep = correction.keep_mask
         policy = compute_policy_loss(logprobs, reference.detach(), advantages, keep, self.loss_cfg,
                                      is_weights=correction.is_weights if use_weights else None,
-                                     seq_mean_log_ratio=self.gmpo_sequence_mean(logprobs, reference, advantages,
-                                                                            correction, groups))
+                                     seq_statistic=self.sequence_statistic(logprobs, reference, advantages,
+                                                                           correction, groups, use_weights))
         if cfg.rollout_log_ratio_penalty > 0:
             policy = add_rollout_log_ratio_penalty(policy, logprobs, rollout_logprobs, keep,
                                                    cfg.rollout_log_ratio_penalty)
@@ -313,24 +314,28 @@ class RolloutCorrectedPolicyLoss:
         return MicrobatchLoss(loss=loss, loss_sum=loss_sum, num_denominator=num_denominator,
                               correction=correction, policy_stats=policy.stats)
 
-    def gmpo_sequence_mean(self, logprobs: Tensor, reference: Tensor, advantages: Tensor,
-                           correction: MicrobatchCorrection, groups: ParallelGroups) -> Tensor | None:
-        """GMPO's per-sequence mean clipped log-ratio `[batch]` over the whole sequence (detached): under CP
-        each rank holds part of a sequence, so its sum travels in one CP all-gather (None otherwise: the
-        loss takes it from the local tokens)."""
+    def sequence_statistic(self, logprobs: Tensor, reference: Tensor, advantages: Tensor,
+                           correction: MicrobatchCorrection, groups: ParallelGroups,
+                           use_weights: bool = True) -> Tensor | None:
+        """The per-sequence statistic `[batch]` the GMPO / VESPO loss needs over the whole sequence (detached):
+        GMPO's mean clipped log-ratio, VESPO's summed log weight. Under CP each rank holds part of a sequence,
+        so the sums travel in one CP all-gather; None otherwise (the loss takes it from the local tokens)."""
         cfg = self.loss_cfg
-        if cfg.loss_type != "gmpo" or groups.cp_size == 1:
+        if cfg.loss_type not in ("gmpo", "vespo") or groups.cp_size == 1:
             return None
         keep = correction.keep_mask
         zeros = torch.zeros_like(logprobs)
-        clipped = gmpo_clipped_log_ratio(torch.where(keep, logprobs.detach(), zeros),
-                                         torch.where(keep, reference.detach(), zeros),
-                                         torch.where(keep, advantages, zeros),
-                                         ratio_low=cfg.gmpo_ratio_low, ratio_high=cfg.gmpo_ratio_high)
-        local = Partials(sums={"gmpo_clipped": torch.where(keep, clipped, zeros).sum(dim=-1).to(torch.float64)})
-        total = gather_sequence_partials(local, groups).reduced.sums["gmpo_clipped"]
-        counts = correction.seq_kept_tokens.to(device=total.device, dtype=torch.float64)
-        return safe_divide(total, counts)
+        current, ref = torch.where(keep, logprobs.detach(), zeros), torch.where(keep, reference.detach(), zeros)
+        if cfg.loss_type == "vespo":
+            local = vespo_log_weight_sums(current, ref, keep, correction.is_weights if use_weights else None)
+        else:
+            clipped = gmpo_clipped_log_ratio(current, ref, torch.where(keep, advantages, zeros),
+                                             ratio_low=cfg.gmpo_ratio_low, ratio_high=cfg.gmpo_ratio_high)
+            local = torch.where(keep, clipped, zeros).sum(dim=-1)
+        total = gather_sequence_partials(Partials(sums={"seq": local.to(torch.float64)}), groups).reduced.sums["seq"]
+        if cfg.loss_type == "vespo":
+            return total
+        return safe_divide(total, correction.seq_kept_tokens.to(device=total.device, dtype=torch.float64))
 
     def _numerator(self, per_token_loss: Tensor, correction: MicrobatchCorrection,
                    groups: ParallelGroups) -> tuple[Tensor, Tensor]:

@@ -59,7 +59,7 @@ DenominatorStrategy = Literal["decoupled", "rollout_only", "prepass", "post_scal
 _POLICY_SUMS = ("num_tokens", "pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum")
 
 
-OBJECTIVE_SUMS = ("cispo_weight_sum", "rollout_sq_log_ratio_sum", "gmpo_seq_ratio_sum")
+OBJECTIVE_SUMS = ("cispo_weight_sum", "rollout_sq_log_ratio_sum", "gmpo_seq_ratio_sum", "vespo_phi_sum")
 """Every objective-specific partial sum (`objective_sum_keys` picks those of a config): an update's
 `StepResult.sums` holds exactly the configured ones, so a report can read them from the result."""
 
@@ -75,6 +75,8 @@ def objective_sum_keys(cfg: RolloutCorrectionConfig) -> tuple[str, ...]:
         keys += (OBJECTIVE_SUMS[1],)
     if cfg.loss_type == "gmpo":
         keys += (OBJECTIVE_SUMS[2],)
+    if cfg.loss_type == "vespo":
+        keys += (OBJECTIVE_SUMS[3],)
     return keys
 
 

@@ -332,12 +332,12 @@ def run_step(layout: Layout, groups: ParallelGroups, cfg: RolloutCorrectionConfi
         is_weights = mb.is_weights if cfg.rollout_is is not None and not cfg.metrics_only else None
         for mode in LOSS_MODES:
             seq_mean = None
-            if cfg.loss_type == "gmpo":  # the geometric mean over the whole sequence: one CP all-gather
+            if cfg.loss_type in ("gmpo", "vespo"):  # a statistic over the whole sequence: one CP all-gather
                 with counter.during("loss"):
-                    seq_mean = RolloutCorrectedPolicyLoss(cfg, loss_config(cfg, mode)).gmpo_sequence_mean(
-                        view_logprobs, reference, view["advantages"], mb, groups)
+                    seq_mean = RolloutCorrectedPolicyLoss(cfg, loss_config(cfg, mode)).sequence_statistic(
+                        view_logprobs, reference, view["advantages"], mb, groups, is_weights is not None)
             policy = compute_policy_loss(view_logprobs, reference.detach(), view["advantages"], mb.keep_mask,
-                                         loss_config(cfg, mode), is_weights=is_weights, seq_mean_log_ratio=seq_mean)
+                                         loss_config(cfg, mode), is_weights=is_weights, seq_statistic=seq_mean)
             if cfg.rollout_log_ratio_penalty > 0:
                 policy = add_rollout_log_ratio_penalty(policy, view_logprobs, view["rollout"], mb.keep_mask,
                                                        cfg.rollout_log_ratio_penalty)

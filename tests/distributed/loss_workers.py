@@ -83,6 +83,9 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
     "gmpo_tis": _cfg(loss_type="gmpo", gmpo_ratio_low=0.97, gmpo_ratio_high=1.02, rollout_is="token",
                      rollout_is_threshold=1.1),
     "bypass_gmpo": _cfg(bypass_mode=True, loss_type="gmpo", gmpo_ratio_low=0.95, gmpo_ratio_high=1.03),
+    # VESPO: the sequence weight (with the token IS folded in) summed over the whole sequence (a CP all-gather).
+    "vespo_tis": _cfg(loss_type="vespo", rollout_is="token", rollout_is_threshold=1.1),
+    "bypass_vespo": _cfg(bypass_mode=True, loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5),
     # M2PO: the cutoff from the whole step's squared log-ratios (for_step's all-reduces), then a token mask.
     "m2po": _cfg(m2po_threshold=0.006),
     "bypass_m2po_cispo": _cfg(bypass_mode=True, loss_type="cispo", m2po_threshold=0.01, nonfinite_policy="mask_token"),

@@ -96,7 +96,8 @@ def test_every_preset_runs_one_step(trainer: Any) -> None:
         assert ("loss/cispo_weight" in metrics) == (cfg.loss_type == "cispo"), name
         assert ("loss/rollout_sq_log_ratio" in metrics) == (cfg.rollout_log_ratio_penalty > 0), name
         assert ("loss/gmpo_seq_ratio" in metrics) == (cfg.loss_type == "gmpo"), name
-        for key in ("loss/cispo_weight", "loss/rollout_sq_log_ratio", "loss/gmpo_seq_ratio"):
+        assert ("loss/vespo_phi" in metrics) == (cfg.loss_type == "vespo"), name
+        for key in ("loss/cispo_weight", "loss/rollout_sq_log_ratio", "loss/gmpo_seq_ratio", "loss/vespo_phi"):
             if key in metrics:
                 assert math.isfinite(metrics[key]), (name, key)
         if not cfg.bypass_mode:  # (a skipped pass differs from a fast one only in wall time: not asserted here)

@@ -8,6 +8,8 @@ current logprobs. Sources read (repository @ commit, file):
   skyrl/backends/skyrl_train/utils/ppo_utils.py, `compute_policy_loss_cispo` (with `cispo_anchor`).
 - GMPO: huggingface/trl @ f2cd57710ae345ea6428ae95363267fcf38a3dc8 (PR #6078 merged as c62558ebe),
   trl/experimental/gmpo/gmpo_trainer.py, `GMPOTrainer._compute_loss` (beta = 0, no entropy mask).
+- VESPO: huggingface/trl @ f2cd57710ae345ea6428ae95363267fcf38a3dc8 (PR #5199), trl/trainer/grpo_trainer.py,
+  `GRPOTrainer.get_gamma_weights` and the `vespo` branch of `_compute_loss` (token_truncate correction).
 - M2PO: areal-project/AReaL @ cbff54d645d2cd8ee1f1c358a82f3f473588433d, areal/trainer/ppo/actor.py,
   `_apply_m2po_masking` and `_get_m2po_loss_mask` (docs/en/algorithms/m2po.md).
 """
@@ -23,7 +25,7 @@ from torch import Tensor
 from nemo_rollout_correction import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import compute_rollout_correction
 from nemo_rollout_correction.core.objective import rollout_corrected_policy_loss
-from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, cispo_loss, gmpo_loss
+from nemo_rollout_correction.core.policy_loss import PolicyLossConfig, cispo_loss, gmpo_loss, vespo_loss
 
 ROWS, COLS = 4, 7
 
@@ -445,3 +447,92 @@ def test_m2po_bad_threshold_names_the_field(value: object) -> None:
         RolloutCorrectionConfig.from_dict({"m2po_threshold": value})
     with pytest.raises(ValueError, match="m2po_threshold"):
         RolloutCorrectionConfig.from_dict({"m2po_threshold": 0.04, "old_logprob_source": "loglinear"})
+
+
+# ---- VESPO --------------------------------------------------------------------------------------
+
+
+def trl_get_gamma_weights(advantages: Tensor, log_ratio_per_token: Tensor, mask: Tensor,
+                          importance_sampling_ratio: Tensor | None, k_pos: float, lambda_pos: float, k_neg: float,
+                          lambda_neg: float) -> Tensor:
+    """TRL's `GRPOTrainer.get_gamma_weights`, transcribed (under no_grad there; detached here). advantages: [B, 1]."""
+    with torch.no_grad():
+        lower_clamp = math.log(1e-8)
+        log_ratio_clamped = torch.clamp(log_ratio_per_token, -20.0, 20.0)
+        seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+        if importance_sampling_ratio is not None:
+            log_is_ratio = torch.clamp(torch.log(importance_sampling_ratio), lower_clamp, 20.0)
+            seq_log_ratio += torch.sum(log_is_ratio, dim=-1, keepdim=True)
+        log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+        w_seq = torch.exp(log_w_seq)
+        is_nonneg_adv = advantages >= 0
+        k_seq = torch.where(is_nonneg_adv, k_pos, k_neg)
+        lambda_seq = torch.where(is_nonneg_adv, lambda_pos, lambda_neg).clamp(min=1e-4)
+        log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+        return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def trl_vespo_loss(per_token_logps: Tensor, old: Tensor, sampling: Tensor | None, advantages: Tensor, mask: Tensor,
+                   cap: float, params: tuple[float, float, float, float]) -> Tensor:
+    """TRL's `vespo` loss: token_truncate IS ratio exp((old - sampling) * mask) clamped at `cap` folded into the
+    sequence weight, -phi * A * logp per token, summed over the mask / the global token count."""
+    ratio = None if sampling is None else torch.clamp(torch.exp((old - sampling) * mask), max=cap)
+    phi = trl_get_gamma_weights(advantages[:, None], per_token_logps - old, mask, ratio, *params)
+    per_token_loss = -phi * advantages[:, None] * per_token_logps
+    return (per_token_loss * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("params", [(2.0, 3.0, 3.0, 2.0), (1.0, 0.5, 4.0, 6.0)])
+@pytest.mark.parametrize("mode", ["decoupled_tis", "bypass"])
+def test_vespo_matches_trl(params: tuple[float, float, float, float], mode: str) -> None:
+    """Loss and gradient of TRL's VESPO (token-mean over the global token count), decoupled with the token-TIS
+    ratio folded into the sequence weight (TRL's default token_truncate at 3), and anchored on the rollout."""
+    d = _inputs(4)
+    scale = torch.tensor([0.05, 0.2, 0.4, 0.1], dtype=torch.float64)[:, None]  # sequence weights across phi's range
+    noise = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    old = d["logprobs"] + scale * noise
+    rollout = old + 0.2 * torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    adv = d["advantages"][:, 0]
+    mask = d["mask"].double()
+    k_pos, lambda_pos, k_neg, lambda_neg = params
+    fields = {"loss_type": "vespo", "vespo_k_pos": k_pos, "vespo_lambda_pos": lambda_pos, "vespo_k_neg": k_neg,
+              "vespo_lambda_neg": lambda_neg, "rollout_token_veto_threshold": None}
+    if mode == "bypass":
+        ref = _grad(lambda lp: trl_vespo_loss(lp, rollout, None, adv, mask, 3.0, params), d["logprobs"])
+        cfg = RolloutCorrectionConfig.from_dict({**fields, "bypass_mode": True})
+        atol = 1e-12
+    else:
+        ref = _grad(lambda lp: trl_vespo_loss(lp, old, rollout, adv, mask, 3.0, params), d["logprobs"])
+        cfg = RolloutCorrectionConfig.from_dict({**fields, "rollout_is": "token", "rollout_is_threshold": 3.0})
+        atol = 1e-6  # our IS weights are float32
+    ours = _grad(lambda lp: rollout_corrected_policy_loss(lp, rollout, adv, d["mask"], cfg, old_logprobs=old).loss,
+                 d["logprobs"])
+    assert ours[0] == pytest.approx(ref[0], abs=atol)
+    torch.testing.assert_close(ours[1], ref[1], atol=atol, rtol=0)
+    phi = vespo_loss(d["logprobs"], old, d["advantages"], d["mask"], k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg,
+                     lambda_neg=lambda_neg).stats["vespo_phi_sum"] / d["mask"].sum()
+    assert float(phi) > 0.0 and abs(float(phi) - 1.0) > 1e-3  # the kernel is active on these inputs
+
+
+def test_vespo_presets_and_kernel_shape() -> None:
+    assert RolloutCorrectionConfig.from_preset("vespo").rollout_is_threshold == 3.0
+    assert RolloutCorrectionConfig.from_preset("bypass_vespo").bypass_mode
+    # phi(1) = 1 whatever (k, lambda): an on-policy sequence keeps the plain policy gradient.
+    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    out = vespo_loss(lp, lp, torch.tensor([[1.5, 1.5]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool))
+    torch.testing.assert_close(out.per_token_loss, -1.5 * lp)
+
+
+@pytest.mark.parametrize(("fields", "name"), [
+    ({"vespo_k_pos": -1.0}, "vespo_k_pos"),
+    ({"vespo_k_neg": float("nan")}, "vespo_k_neg"),
+    ({"vespo_lambda_pos": 0.0}, "vespo_lambda_pos"),
+    ({"vespo_lambda_neg": float("inf")}, "vespo_lambda_neg"),
+    ({"bypass_mode": True, "rollout_is": "token"}, "rollout_is"),
+])
+def test_vespo_bad_parameters_raise_naming_the_field(fields: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        RolloutCorrectionConfig.from_dict({"loss_type": "vespo", **fields})
+    if name.startswith("vespo"):
+        with pytest.raises(ValueError, match=name):
+            PolicyLossConfig(loss_type="vespo", **fields)  # type: ignore[arg-type]
