@@ -86,6 +86,10 @@ class RolloutCorrectionConfig:
     rollout_is_threshold_lower: float | None = None
     """Lower bound on rho for `mask` mode or a two-sided truncation; None means 1 / rollout_is_threshold."""
 
+    rollout_is_target_ess: float | None = None
+    """Adaptive threshold: each step the upper bound becomes the largest U <= rollout_is_threshold (now a cap) whose
+    truncated token weights min(rho, U) keep an effective sample size fraction >= this target, in (0, 1]; None = off."""
+
     rollout_is_two_sided: bool = False
     """In `truncate` mode also clamp from below: w = clamp(rho, lower, upper)."""
 
@@ -180,6 +184,8 @@ class RolloutCorrectionConfig:
     _criteria: tuple[RejectionCriterion, ...] = field(default=(), init=False, repr=False, compare=False)
     _m2po_cutoff: float | None = field(default=None, init=False, repr=False, compare=False)
     """The step's M2PO cutoff on the squared log-ratio (kept: <= cutoff), set by `with_step_thresholds`."""
+    _is_threshold_cap: float | None = field(default=None, init=False, repr=False, compare=False)
+    """With rollout_is_target_ess: the configured cap, once rollout_is_threshold holds the step's chosen bound."""
 
     def __post_init__(self) -> None:
         _check_choice("rollout_is", self.rollout_is, IS_LEVELS, allow_none=True)
@@ -249,6 +255,8 @@ class RolloutCorrectionConfig:
             if self.seq_logprob_error_threshold < 1.0:
                 raise ValueError("seq_logprob_error_threshold bounds a mean of exp(|log-ratio|) (always >= 1): it must "
                                  f"be >= 1 (NVIDIA's recipes use 2) or null, got {self.seq_logprob_error_threshold!r}")
+        if self.rollout_is_target_ess is not None:
+            _check_target_ess(self)
         if self.m2po_threshold is not None:
             _check_positive("m2po_threshold", self.m2po_threshold)
             if self.old_logprob_source == "loglinear":
@@ -284,27 +292,39 @@ class RolloutCorrectionConfig:
     def needs_step_thresholds(self) -> bool:
         """True when a threshold is chosen from the whole step's log-ratios (M2PO): the correction of a
         microbatch needs `with_step_thresholds` first (`distributed.resolve_step_config` across ranks)."""
-        return self.m2po_threshold is not None
+        return self.m2po_threshold is not None or self.rollout_is_target_ess is not None
 
     @property
     def step_thresholds_resolved(self) -> bool:
         """Whether every step-level threshold this config needs has been set (`with_step_thresholds`)."""
-        return self.m2po_threshold is None or self._m2po_cutoff is not None
+        return ((self.m2po_threshold is None or self._m2po_cutoff is not None)
+                and (self.rollout_is_target_ess is None or self._is_threshold_cap is not None))
+
+    @property
+    def is_threshold_cap(self) -> float:
+        """The largest upper IS bound an adaptive step may choose: the configured rollout_is_threshold."""
+        return self._is_threshold_cap if self._is_threshold_cap is not None else self.rollout_is_threshold
 
     @property
     def m2po_cutoff(self) -> float | None:
         """The step's M2PO cutoff on the squared log-ratio (tokens above it are masked); None until resolved."""
         return self._m2po_cutoff
 
-    def with_step_thresholds(self, *, m2po_cutoff: float | None = None) -> RolloutCorrectionConfig:
-        """A copy with the step-level thresholds set (equal to `self` under ==: they are step data, not config)."""
-        new = dataclasses.replace(self)
+    def with_step_thresholds(self, *, m2po_cutoff: float | None = None,
+                             is_threshold: float | None = None) -> RolloutCorrectionConfig:
+        """A copy with the step-level thresholds set: M2PO's cutoff (equal to `self` under ==, step data) and the
+        adaptive IS bound (it replaces rollout_is_threshold; the configured value is kept as the cap)."""
+        cap = self.is_threshold_cap
+        new = dataclasses.replace(self) if is_threshold is None else dataclasses.replace(
+            self, rollout_is_threshold=is_threshold)
         object.__setattr__(new, "_m2po_cutoff", m2po_cutoff)
+        object.__setattr__(new, "_is_threshold_cap", cap if is_threshold is not None else None)
         return new
 
     def carry_step_thresholds(self, other: RolloutCorrectionConfig) -> RolloutCorrectionConfig:
         """`other` (a `dataclasses.replace` of self) with self's step-level thresholds (replace drops them)."""
         object.__setattr__(other, "_m2po_cutoff", self._m2po_cutoff)
+        object.__setattr__(other, "_is_threshold_cap", self._is_threshold_cap)
         return other
 
     @property
@@ -375,6 +395,23 @@ def _check_cispo_bounds(low: object, high: object) -> None:
     assert isinstance(low, (int, float)) and isinstance(high, (int, float))  # checked just above
     if low > high:
         raise ValueError(f"cispo_ratio_low ({low:g}) must be <= cispo_ratio_high ({high:g}): they bound the ratio r")
+
+
+def _check_target_ess(cfg: RolloutCorrectionConfig) -> None:
+    value = cfg.rollout_is_target_ess
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"rollout_is_target_ess is an effective-sample-size fraction: a number in (0, 1] or null, "
+                         f"got {value!r}")
+    if cfg.rollout_is != "token" or cfg.rollout_is_mode != "truncate" or cfg.rollout_is_two_sided:
+        raise ValueError("rollout_is_target_ess (the adaptive threshold) tunes the upper bound of one-sided token "
+                         "TIS: it needs rollout_is='token', rollout_is_mode='truncate', rollout_is_two_sided=false "
+                         f"(got {cfg.rollout_is!r}, {cfg.rollout_is_mode!r}, {cfg.rollout_is_two_sided})")
+    if cfg.rollout_is_threshold < 1.0:
+        raise ValueError("rollout_is_threshold is the cap of the adaptive threshold (rollout_is_target_ess): it must "
+                         f"be >= 1, got {cfg.rollout_is_threshold!r}")
+    if cfg.old_logprob_source == "loglinear":
+        raise ValueError("rollout_is_target_ess needs the step's log-ratios before the update (a pre-pass); "
+                         "old_logprob_source='loglinear' has none: use 'forward' or set rollout_is_target_ess null")
 
 
 def _check_gmpo_bounds(low: object, high: object) -> None:

@@ -84,3 +84,7 @@ M2PO_SQ_KEPT_SUM = "m2po:sq_kept_sum"
 """SUM: squared log-ratios of the valid tokens M2PO keeps."""
 M2PO_SQ_KEPT_MAX = "m2po:sq_kept_max"
 """MAX: the largest squared log-ratio M2PO keeps."""
+
+# -- adaptive IS threshold (rollout_is_target_ess) -----------------------------------------------------
+AUTO_IS_THRESHOLD = "auto_is:threshold"
+"""MAX: the upper IS bound the step chose (the same on every rank)."""

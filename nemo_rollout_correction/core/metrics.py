@@ -144,6 +144,8 @@ def token_metric_partials(
         else:
             out.add_sum(K.IS_WEIGHT_KEPT_SUM, kept_weights.sum().double())
         out.add_sum(K.IS_WEIGHT_KEPT_COUNT, _count(keep))
+        if cfg.rollout_is_target_ess is not None:  # the step's chosen bound, identical on every rank
+            out.add_max(K.AUTO_IS_THRESHOLD, torch.tensor(cfg.rollout_is_threshold, dtype=torch.float64))
 
     for criterion in cfg.rejection_criteria:
         if criterion.is_token_level:
@@ -521,6 +523,8 @@ def _finalize_is(m: dict[str, float], f: _Finalizer, partials: Partials, cfg: Ro
     m["rollout_is_mean"] = mean
     m["rollout_is_std"] = math.sqrt(max(second - mean * mean, 0.0))
     m["rollout_is_eff_sample_size"] = _div(mean * mean, second)
+    if cfg.rollout_is_target_ess is not None:
+        m["rollout_is_threshold_auto"] = f.max(K.AUTO_IS_THRESHOLD)
     if token_level:
         m["rollout_is_max"], m["rollout_is_min"] = f.max("is_w_max"), f.min("is_w_min")
         population = num_tokens

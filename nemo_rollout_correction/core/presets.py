@@ -167,6 +167,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "vespo": {"loss_type": "vespo", "rollout_is": "token", "rollout_is_threshold": 3.0},
     # ... or on pi_rollout without the old-logprob pass (no extra IS on top).
     "bypass_vespo": {"bypass_mode": True, "loss_type": "vespo"},
+    # Adaptive token TIS: each step's bound is the largest U <= 5 keeping the truncated weights' effective sample
+    # size fraction >= 0.9 (no peer has one; docs/math.md, "Adaptive IS threshold").
+    "decoupled_token_tis_auto": {"rollout_is": "token", "rollout_is_threshold": 5.0, "rollout_is_target_ess": 0.9},
     # M2PO at AReaL's example bound (examples/math/gsm8k_m2po.yaml: m2_threshold 0.04), decided over the step.
     "m2po": {"m2po_threshold": 0.04},
     "bypass_gmpo": {"bypass_mode": True, "loss_type": "gmpo", "gmpo_ratio_low": math.exp(-0.4),

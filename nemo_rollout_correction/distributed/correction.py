@@ -150,11 +150,11 @@ def core_config(cfg: RolloutCorrectionConfig) -> RolloutCorrectionConfig:
 
 def resolve_step_config(cfg: RolloutCorrectionConfig, chunks: Sequence[tuple[Tensor, Tensor, Tensor]],
                         groups: ParallelGroups) -> RolloutCorrectionConfig:
-    """`cfg` with its step-level thresholds (M2PO) chosen from the whole step over dp x cp, exactly.
+    """`cfg` with its step-level thresholds (M2PO, the adaptive IS bound) chosen from the whole step over dp x cp.
 
     chunks: this rank's microbatches `(reference_logprobs, rollout_logprobs, loss_mask)`, `[rows, local_seq]`
     (pi_old in decoupled mode, the current policy's no-grad logprobs in bypass mode). Every dp x cp rank of the
-    last pipeline stage must call it, also with no microbatch. Collectives: about 9 all-reduces of <= 510
+    last pipeline stage must call it, also with no microbatch. Collectives: about 8 all-reduces of <= 765
     float64 over dp x cp (`core.step_thresholds`); none on one rank or without step-level thresholds.
     """
     if not cfg.needs_step_thresholds:
@@ -215,7 +215,8 @@ def distributed_rollout_correction(
     Collectives: one all-gather over the CP group when cp_size > 1, none otherwise.
     """
     if not cfg.step_thresholds_resolved:
-        raise ValueError("this config chooses thresholds from the whole step (m2po_threshold): call "
+        raise ValueError("this config chooses thresholds from the whole step (m2po_threshold, rollout_is_target_ess): "
+                         "call "
                          "resolve_step_config on the step's microbatches first (RolloutCorrectedPolicyLoss.for_step)")
     core_cfg = core_config(cfg)
     survivors: Tensor | None = None

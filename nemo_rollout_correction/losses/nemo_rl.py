@@ -168,8 +168,8 @@ class NeMoRLRolloutCorrectedLoss:
                  groups: ParallelGroups | None = None, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, vocab_size: int | None = None, split_train_path: bool = False) -> None:
         if rc_cfg.needs_step_thresholds:  # NeMo-RL calls the loss per microbatch, with no step pre-pass to resolve it
-            raise ValueError("m2po_threshold chooses its cutoff from the whole step, which the NeMo-RL adapter never "
-                             "sees; use RolloutCorrectedPolicyLoss (for_step) or set m2po_threshold null")
+            raise ValueError("m2po_threshold / rollout_is_target_ess choose a threshold from the whole step, which the "
+                             "NeMo-RL adapter never sees; use RolloutCorrectedPolicyLoss (for_step) or set them null")
         self.loss = RolloutCorrectedPolicyLoss(rc_cfg, loss_cfg)
         if self.loss.agg_mode not in ("token-mean", "seq-mean-token-mean"):
             raise ValueError(f"loss_agg_mode {self.loss.agg_mode!r} has no NeMo-RL equivalent: use 'token-mean' "

@@ -227,7 +227,8 @@ class RolloutCorrectedPolicyLoss:
                                   rollout_token_veto_threshold=None, bypass_mode=False, loss_type="ppo_clip",
                                   metrics_only=False, opsm_threshold=None, kpop_threshold=None,
                                   dppo_tv_threshold=None, dppo_tv_threshold_low=None,
-                                  seq_logprob_error_threshold=None, m2po_threshold=None)
+                                  seq_logprob_error_threshold=None, m2po_threshold=None,
+                                  rollout_is_target_ess=None)
         corrections = [distributed_rollout_correction(rollout, rollout, mask, cfg, groups)
                        for rollout, mask in microbatches]
         step = reduce_step(corrections, cfg, groups)
@@ -283,8 +284,8 @@ class RolloutCorrectedPolicyLoss:
             if not cfg.step_thresholds_resolved:
                 # This microbatch is the whole step only without step denominators on a single dp x cp rank.
                 if denominators is not None or groups.dp_cp_size > 1:
-                    raise ValueError("m2po_threshold chooses its cutoff from the whole step: pass a correction from "
-                                     "the step's pre-pass (for_step, correct, prepare_step)")
+                    raise ValueError("m2po_threshold / rollout_is_target_ess choose a threshold from the whole step: "
+                                     "pass a correction from the step's pre-pass (for_step, correct, prepare_step)")
                 stepped = self.for_step([(judged, rollout_logprobs, loss_mask)], groups)
             correction = stepped.correct(judged, rollout_logprobs, loss_mask, groups, is_weight_mean=mean,
                                          advantages=advantages)

@@ -131,6 +131,8 @@ def _configs() -> dict[str, RolloutCorrectionConfig]:
         "m2po_tis": _cfg(rollout_is="token", rollout_is_threshold=1.2, m2po_threshold=0.004),
         "bypass_m2po_den": _cfg(bypass_mode=True, m2po_threshold=0.02, rejected_tokens_in_denominator=True,
                                 nonfinite_policy="mask_token"),
+        "auto_is_rs": _cfg(rollout_is="token", rollout_is_threshold=3.0, rollout_is_target_ess=0.95,
+                           rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25", m2po_threshold=0.01),
         "frontier_opsm_den": _cfg(rollout_is="sequence", opsm_threshold=0.005, rejected_tokens_in_denominator=True,
                                   rollout_token_veto_threshold=1e-4),
     }

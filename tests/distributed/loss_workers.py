@@ -86,6 +86,10 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
     # VESPO: the sequence weight (with the token IS folded in) summed over the whole sequence (a CP all-gather).
     "vespo_tis": _cfg(loss_type="vespo", rollout_is="token", rollout_is_threshold=1.1),
     "bypass_vespo": _cfg(bypass_mode=True, loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5),
+    # The adaptive IS bound: the step's U from the same exact search (for_step), then token TIS at U.
+    "token_tis_auto": _cfg(rollout_is="token", rollout_is_threshold=3.0, rollout_is_target_ess=0.985),
+    "pure_is_auto": _cfg(bypass_mode=True, loss_type="reinforce", rollout_is="token", rollout_is_threshold=4.0,
+                         rollout_is_target_ess=0.995),
     # M2PO: the cutoff from the whole step's squared log-ratios (for_step's all-reduces), then a token mask.
     "m2po": _cfg(m2po_threshold=0.006),
     "bypass_m2po_cispo": _cfg(bypass_mode=True, loss_type="cispo", m2po_threshold=0.01, nonfinite_policy="mask_token"),
