@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 IsLevel = Literal["token", "sequence", "geometric"]
 IsMode = Literal["truncate", "mask"]
-LossType = Literal["ppo_clip", "reinforce", "cispo"]
+LossType = Literal["ppo_clip", "reinforce", "cispo", "gmpo", "vespo"]
 NonFinitePolicy = Literal["raise", "mask_token", "reject_sequence"]
 OldLogprobSource = Literal["forward", "loglinear"]
 RsStatistic = Literal["k1", "k2", "k3"]
@@ -86,6 +86,10 @@ class RolloutCorrectionConfig:
     rollout_is_threshold_lower: float | None = None
     """Lower bound on rho for `mask` mode or a two-sided truncation; None means 1 / rollout_is_threshold."""
 
+    rollout_is_target_ess: float | None = None
+    """Adaptive threshold: each step the upper bound becomes the largest U <= rollout_is_threshold (now a cap) whose
+    truncated token weights min(rho, U) keep an effective sample size fraction >= this target, in (0, 1]; None = off."""
+
     rollout_is_two_sided: bool = False
     """In `truncate` mode also clamp from below: w = clamp(rho, lower, upper)."""
 
@@ -115,13 +119,32 @@ class RolloutCorrectionConfig:
     (0: never)."""
 
     loss_type: LossType = "ppo_clip"
-    """Policy loss: `ppo_clip`, `reinforce` (bypass only: pure IS, -sg(w) * A * log pi_theta) or `cispo` (math.md)."""
+    """Policy loss: `ppo_clip`, `reinforce` (bypass only: pure IS, -sg(w) * A * log pi_theta), `cispo`, `gmpo` or
+    `vespo` (math.md)."""
 
     cispo_ratio_low: float = 0.0
     """CISPO: lower bound on the ratio r before the stop-gradient (0 = no lower bound, ScaleRL / SkyRL default)."""
 
     cispo_ratio_high: float = 5.0
     """CISPO: upper bound on the ratio r (5.0 = SkyRL's default 1 + cispo_eps_clip_high = 1 + 4)."""
+
+    gmpo_ratio_low: float = math.exp(-0.4)
+    """GMPO: lower clip bound on each token ratio, in (0, 1] (TRL's default exp(-epsilon), epsilon = 0.4)."""
+
+    gmpo_ratio_high: float = math.exp(0.4)
+    """GMPO: upper clip bound on each token ratio, >= 1 (TRL's default exp(epsilon_high) = exp(0.4))."""
+
+    vespo_k_pos: float = 2.0
+    """VESPO: power k of the Gamma kernel phi(w) = exp(lambda + k log w - lambda w) for advantages >= 0 (TRL: 2)."""
+
+    vespo_lambda_pos: float = 3.0
+    """VESPO: decay lambda of the kernel for advantages >= 0, > 0 (TRL: 3)."""
+
+    vespo_k_neg: float = 3.0
+    """VESPO: power k for advantages < 0, >= 0 (TRL: 3)."""
+
+    vespo_lambda_neg: float = 2.0
+    """VESPO: decay lambda for advantages < 0, > 0 (TRL: 2)."""
 
     metrics_only: bool = False
     """Compute every diagnostic but apply nothing: weights are 1 and only the non-finite policy edits the mask."""
@@ -154,7 +177,15 @@ class RolloutCorrectionConfig:
     seq_logprob_error_threshold: float | None = None
     """Reject a sequence whose mean_t exp(|log pi_train - log pi_rollout|) exceeds this (>= 1; NeMo-RL); None = off."""
 
+    m2po_threshold: float | None = None
+    """M2PO: mask the tokens with the largest squared log-ratio until the step's mean squared log-ratio over the
+    rest is below this bound (AReaL's m2_threshold, 0.04 in its example); None = off."""
+
     _criteria: tuple[RejectionCriterion, ...] = field(default=(), init=False, repr=False, compare=False)
+    _m2po_cutoff: float | None = field(default=None, init=False, repr=False, compare=False)
+    """The step's M2PO cutoff on the squared log-ratio (kept: <= cutoff), set by `with_step_thresholds`."""
+    _is_threshold_cap: float | None = field(default=None, init=False, repr=False, compare=False)
+    """With rollout_is_target_ess: the configured cap, once rollout_is_threshold holds the step's chosen bound."""
 
     def __post_init__(self) -> None:
         _check_choice("rollout_is", self.rollout_is, IS_LEVELS, allow_none=True)
@@ -192,6 +223,17 @@ class RolloutCorrectionConfig:
                              "ratio pi_theta/pi_rollout already is the IS correction (SkyRL's cispo_anchor='rollout' "
                              "refuses TIS for the same reason)")
         _check_cispo_bounds(self.cispo_ratio_low, self.cispo_ratio_high)
+        if self.bypass_mode and self.loss_type == "gmpo" and self.rollout_is is not None:
+            raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='gmpo': GMPO's clipped "
+                             "ratio pi_theta/pi_rollout already is the IS correction (weights would apply twice)")
+        _check_gmpo_bounds(self.gmpo_ratio_low, self.gmpo_ratio_high)
+        if self.bypass_mode and self.loss_type == "vespo" and self.rollout_is is not None:
+            raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='vespo': VESPO's sequence "
+                             "weight of pi_theta/pi_rollout already is the IS correction (weights would apply twice)")
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            _check_nonnegative(name, getattr(self, name))
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            _check_positive(name, getattr(self, name))
         if self.loss_type == "reinforce" and not self.bypass_mode:
             raise ValueError("loss_type='reinforce' (pure IS) needs bypass_mode=true; in decoupled mode choose "
                              "the policy loss with PolicyLossConfig.loss_type")
@@ -213,6 +255,13 @@ class RolloutCorrectionConfig:
             if self.seq_logprob_error_threshold < 1.0:
                 raise ValueError("seq_logprob_error_threshold bounds a mean of exp(|log-ratio|) (always >= 1): it must "
                                  f"be >= 1 (NVIDIA's recipes use 2) or null, got {self.seq_logprob_error_threshold!r}")
+        if self.rollout_is_target_ess is not None:
+            _check_target_ess(self)
+        if self.m2po_threshold is not None:
+            _check_positive("m2po_threshold", self.m2po_threshold)
+            if self.old_logprob_source == "loglinear":
+                raise ValueError("m2po_threshold needs the step's log-ratios before the update (a pre-pass); "
+                                 "old_logprob_source='loglinear' has none: use 'forward' or set m2po_threshold null")
         object.__setattr__(self, "_criteria", _parse_rejection(self.rollout_rs, self.rollout_rs_threshold))
 
     # ---- derived views -------------------------------------------------------------------
@@ -238,6 +287,45 @@ class RolloutCorrectionConfig:
     def needs_advantages(self) -> bool:
         """True when a mask reads the advantages (OPSM, DPPO-TV): the correction must be given them."""
         return self.opsm_threshold is not None or self.dppo_tv_threshold is not None
+
+    @property
+    def needs_step_thresholds(self) -> bool:
+        """True when a threshold is chosen from the whole step's log-ratios (M2PO): the correction of a
+        microbatch needs `with_step_thresholds` first (`distributed.resolve_step_config` across ranks)."""
+        return self.m2po_threshold is not None or self.rollout_is_target_ess is not None
+
+    @property
+    def step_thresholds_resolved(self) -> bool:
+        """Whether every step-level threshold this config needs has been set (`with_step_thresholds`)."""
+        return ((self.m2po_threshold is None or self._m2po_cutoff is not None)
+                and (self.rollout_is_target_ess is None or self._is_threshold_cap is not None))
+
+    @property
+    def is_threshold_cap(self) -> float:
+        """The largest upper IS bound an adaptive step may choose: the configured rollout_is_threshold."""
+        return self._is_threshold_cap if self._is_threshold_cap is not None else self.rollout_is_threshold
+
+    @property
+    def m2po_cutoff(self) -> float | None:
+        """The step's M2PO cutoff on the squared log-ratio (tokens above it are masked); None until resolved."""
+        return self._m2po_cutoff
+
+    def with_step_thresholds(self, *, m2po_cutoff: float | None = None,
+                             is_threshold: float | None = None) -> RolloutCorrectionConfig:
+        """A copy with the step-level thresholds set: M2PO's cutoff (equal to `self` under ==, step data) and the
+        adaptive IS bound (it replaces rollout_is_threshold; the configured value is kept as the cap)."""
+        cap = self.is_threshold_cap
+        new = dataclasses.replace(self) if is_threshold is None else dataclasses.replace(
+            self, rollout_is_threshold=is_threshold)
+        object.__setattr__(new, "_m2po_cutoff", m2po_cutoff)
+        object.__setattr__(new, "_is_threshold_cap", cap if is_threshold is not None else None)
+        return new
+
+    def carry_step_thresholds(self, other: RolloutCorrectionConfig) -> RolloutCorrectionConfig:
+        """`other` (a `dataclasses.replace` of self) with self's step-level thresholds (replace drops them)."""
+        object.__setattr__(other, "_m2po_cutoff", self._m2po_cutoff)
+        object.__setattr__(other, "_is_threshold_cap", self._is_threshold_cap)
+        return other
 
     @property
     def pure_is(self) -> bool:
@@ -307,6 +395,33 @@ def _check_cispo_bounds(low: object, high: object) -> None:
     assert isinstance(low, (int, float)) and isinstance(high, (int, float))  # checked just above
     if low > high:
         raise ValueError(f"cispo_ratio_low ({low:g}) must be <= cispo_ratio_high ({high:g}): they bound the ratio r")
+
+
+def _check_target_ess(cfg: RolloutCorrectionConfig) -> None:
+    value = cfg.rollout_is_target_ess
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"rollout_is_target_ess is an effective-sample-size fraction: a number in (0, 1] or null, "
+                         f"got {value!r}")
+    if cfg.rollout_is != "token" or cfg.rollout_is_mode != "truncate" or cfg.rollout_is_two_sided:
+        raise ValueError("rollout_is_target_ess (the adaptive threshold) tunes the upper bound of one-sided token "
+                         "TIS: it needs rollout_is='token', rollout_is_mode='truncate', rollout_is_two_sided=false "
+                         f"(got {cfg.rollout_is!r}, {cfg.rollout_is_mode!r}, {cfg.rollout_is_two_sided})")
+    if cfg.rollout_is_threshold < 1.0:
+        raise ValueError("rollout_is_threshold is the cap of the adaptive threshold (rollout_is_target_ess): it must "
+                         f"be >= 1, got {cfg.rollout_is_threshold!r}")
+    if cfg.old_logprob_source == "loglinear":
+        raise ValueError("rollout_is_target_ess needs the step's log-ratios before the update (a pre-pass); "
+                         "old_logprob_source='loglinear' has none: use 'forward' or set rollout_is_target_ess null")
+
+
+def _check_gmpo_bounds(low: object, high: object) -> None:
+    _check_positive("gmpo_ratio_low", low)
+    _check_positive("gmpo_ratio_high", high)
+    assert isinstance(low, (int, float)) and isinstance(high, (int, float))  # checked just above
+    if low > 1.0:
+        raise ValueError(f"gmpo_ratio_low must be in (0, 1] (it clips the token ratio from below), got {low!r}")
+    if high < 1.0:
+        raise ValueError(f"gmpo_ratio_high must be >= 1 (it clips the token ratio from above), got {high!r}")
 
 
 def _check_positive(name: str, value: object) -> None:

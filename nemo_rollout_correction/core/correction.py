@@ -37,6 +37,7 @@ from nemo_rollout_correction.core.sequence_stats import (
     token_rs_rejected_any,
 )
 from nemo_rollout_correction.core.stats import Partials
+from nemo_rollout_correction.core.step_thresholds import resolve_step_thresholds
 from nemo_rollout_correction.core.weights import bound_weights, normalize_is_weights_
 
 CHUNK_ELEMENTS = 1 << 20
@@ -100,10 +101,16 @@ def compute_rollout_correction(
     advantages: `[batch]` or `[batch, seq]`; required when `cfg.needs_advantages` (OPSM,
         DPPO-TV), ignored otherwise. A sequence's OPSM advantage is the mean over its valid tokens.
 
+    Step-level thresholds (M2PO) not yet set on `cfg` are chosen from this batch alone: right for one
+    process holding the whole step; across microbatches or ranks resolve them first
+    (`distributed.resolve_step_config`).
+
     Raises ValueError for mismatched shapes/dtypes, for missing advantages, and for non-finite
     logprobs when the config says `raise` or the fail-fast fraction is exceeded.
     """
     validate_inputs(old_logprobs, rollout_logprobs, loss_mask)
+    if not cfg.step_thresholds_resolved:
+        cfg = resolve_step_thresholds(cfg, [(old_logprobs, rollout_logprobs, loss_mask)])
     adv = validate_advantages(advantages, old_logprobs, cfg.needs_advantages)
     old_logprobs, rollout_logprobs = old_logprobs.detach(), rollout_logprobs.detach()
     outputs = _allocate_outputs(old_logprobs)

@@ -84,7 +84,29 @@ def frontier_token_rejected(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> di
     if cfg.dppo_tv_threshold is not None:
         high, low = dppo_tv_rejected(tok, cfg)
         out["dppo_tv"] = high | low
+    if cfg.m2po_threshold is not None:
+        out["m2po"] = m2po_rejected(tok, cfg)
     return out
+
+
+def sq_log_ratio(tok: TokenChunk) -> Tensor:
+    """The squared clamped log-ratio `[rows, seq]` float64 (0 on invalid tokens): M2PO's per-token second moment.
+    float64 holds the square of a float32 exactly, so every layout compares the same numbers (cached)."""
+    if "sq_log_ratio" not in tok.cache:
+        tok.cache["sq_log_ratio"] = tok.clamped.double().square()
+    return tok.cache["sq_log_ratio"]
+
+
+def m2po_rejected(tok: TokenChunk, cfg: RolloutCorrectionConfig) -> Tensor:
+    """Valid tokens `[rows, seq]` whose squared log-ratio exceeds the step's M2PO cutoff."""
+    cutoff = cfg.m2po_cutoff
+    if cutoff is None:
+        raise ValueError("m2po_threshold is set but the step's cutoff is not: it depends on every token of the step, "
+                         "so resolve it first (core.step_thresholds.resolve_step_thresholds on one process, "
+                         "RolloutCorrectedPolicyLoss.for_step / distributed.resolve_step_config across ranks)")
+    if "m2po_rejected" not in tok.cache:
+        tok.cache["m2po_rejected"] = (sq_log_ratio(tok) > cutoff) & tok.valid
+    return tok.cache["m2po_rejected"]
 
 
 def add_sequence_advantage(seq: Partials, tok: TokenChunk, cfg: RolloutCorrectionConfig) -> None:
@@ -127,7 +149,9 @@ __all__ = [
     "dppo_tv_rejected",
     "frontier_token_rejected",
     "kpop_statistic",
+    "m2po_rejected",
     "opsm_negative_advantage",
     "opsm_rejected",
     "opsm_sequence_kl",
+    "sq_log_ratio",
 ]

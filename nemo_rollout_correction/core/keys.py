@@ -74,3 +74,17 @@ SEQ_LP_ERROR_MAX = "seq_lp_error:max"
 """MAX: the largest per-sequence statistic."""
 SEQ_LP_ERROR_REJECTED_SEQS = "seq_lp_error:rejected_seqs"
 SEQ_LP_ERROR_REJECTED_TOKENS = "seq_lp_error:rejected_tokens"
+
+# -- M2PO (token level, step cutoff) ------------------------------------------------------------------
+M2PO_REJECTED_TOKENS = "m2po:rejected_tokens"
+"""SUM: valid tokens whose squared log-ratio exceeds the step's cutoff."""
+M2PO_SQ_SUM = "m2po:sq_sum"
+"""SUM: squared log-ratios of the valid tokens."""
+M2PO_SQ_KEPT_SUM = "m2po:sq_kept_sum"
+"""SUM: squared log-ratios of the valid tokens M2PO keeps."""
+M2PO_SQ_KEPT_MAX = "m2po:sq_kept_max"
+"""MAX: the largest squared log-ratio M2PO keeps."""
+
+# -- adaptive IS threshold (rollout_is_target_ess) -----------------------------------------------------
+AUTO_IS_THRESHOLD = "auto_is:threshold"
+"""MAX: the upper IS bound the step chose (the same on every rank)."""

@@ -24,6 +24,7 @@ from nemo_rollout_correction.core.frontier import (
     kpop_statistic,
     opsm_negative_advantage,
     opsm_sequence_kl,
+    sq_log_ratio,
 )
 from nemo_rollout_correction.core.masking import LOG_RATIO_BOUND, TokenChunk
 from nemo_rollout_correction.core.rejection import (
@@ -143,6 +144,8 @@ def token_metric_partials(
         else:
             out.add_sum(K.IS_WEIGHT_KEPT_SUM, kept_weights.sum().double())
         out.add_sum(K.IS_WEIGHT_KEPT_COUNT, _count(keep))
+        if cfg.rollout_is_target_ess is not None:  # the step's chosen bound, identical on every rank
+            out.add_max(K.AUTO_IS_THRESHOLD, torch.tensor(cfg.rollout_is_threshold, dtype=torch.float64))
 
     for criterion in cfg.rejection_criteria:
         if criterion.is_token_level:
@@ -178,6 +181,14 @@ def _frontier_token_partials(out: Partials, tok: TokenChunk, cfg: RolloutCorrect
         if extremes is not None:
             out.add_max(K.DPPO_DIFF_MAX, extremes[0])
             out.add_min(K.DPPO_DIFF_MIN, extremes[1])
+    if cfg.m2po_threshold is not None:
+        sq = sq_log_ratio(tok)  # 0 on invalid tokens
+        kept = tok.valid & ~rejected["m2po"]
+        out.add_sum(K.M2PO_REJECTED_TOKENS, _count(rejected["m2po"]))
+        out.add_sum(K.M2PO_SQ_SUM, sq.sum())
+        kept_sq = torch.where(kept, sq, 0.0)
+        out.add_sum(K.M2PO_SQ_KEPT_SUM, kept_sq.sum())
+        out.add_max(K.M2PO_SQ_KEPT_MAX, kept_sq.max() if sq.numel() else torch.zeros((), dtype=torch.float64))
 
 
 def _prob_pearson_partials(out: Partials, tok: TokenChunk, keep: Tensor) -> None:
@@ -475,6 +486,12 @@ def _finalize_frontier(m: dict[str, float], f: _Finalizer, cfg: RolloutCorrectio
         m["dppo_tv_prob_diff_abs_mean"] = _div(f.sum(K.DPPO_ABS_DIFF_SUM), num_tokens)
         m["dppo_tv_prob_diff_max"] = f.max(K.DPPO_DIFF_MAX)
         m["dppo_tv_prob_diff_min"] = f.min(K.DPPO_DIFF_MIN)
+    if cfg.m2po_threshold is not None:
+        rejected = f.sum(K.M2PO_REJECTED_TOKENS)
+        m["m2po_masked_fraction"] = _div(rejected, num_tokens)
+        m["m2po_second_moment"] = _div(f.sum(K.M2PO_SQ_SUM), num_tokens)
+        m["m2po_second_moment_kept"] = _div(f.sum(K.M2PO_SQ_KEPT_SUM), num_tokens - rejected)
+        m["m2po_kept_sq_log_ratio_max"] = f.max(K.M2PO_SQ_KEPT_MAX)
 
 
 def prob_pearson(n: float, sum_p: float, sum_q: float, sum_pp: float, sum_qq: float, sum_pq: float) -> float:
@@ -506,6 +523,8 @@ def _finalize_is(m: dict[str, float], f: _Finalizer, partials: Partials, cfg: Ro
     m["rollout_is_mean"] = mean
     m["rollout_is_std"] = math.sqrt(max(second - mean * mean, 0.0))
     m["rollout_is_eff_sample_size"] = _div(mean * mean, second)
+    if cfg.rollout_is_target_ess is not None:
+        m["rollout_is_threshold_auto"] = f.max(K.AUTO_IS_THRESHOLD)
     if token_level:
         m["rollout_is_max"], m["rollout_is_min"] = f.max("is_w_max"), f.min("is_w_min")
         population = num_tokens

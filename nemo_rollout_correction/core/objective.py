@@ -44,7 +44,7 @@ class CorrectedLossOutput:
 
 
 def policy_loss_for(rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig | None) -> PolicyLossConfig:
-    """The policy loss the correction config selects: `reinforce` (pure IS) and `cispo` override
+    """The policy loss the correction config selects: `reinforce` (pure IS), `cispo`, `gmpo`, `vespo` override
     `loss_cfg.loss_type` (presets choose them); `ppo_clip` keeps `loss_cfg` as given."""
     loss_cfg = loss_cfg or PolicyLossConfig()
     if rc_cfg.pure_is:
@@ -52,6 +52,13 @@ def policy_loss_for(rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig 
     if rc_cfg.loss_type == "cispo":
         return replace(loss_cfg, loss_type="cispo", clip_ratio_c=None, cispo_ratio_low=rc_cfg.cispo_ratio_low,
                        cispo_ratio_high=rc_cfg.cispo_ratio_high)
+    if rc_cfg.loss_type == "gmpo":
+        return replace(loss_cfg, loss_type="gmpo", clip_ratio_c=None, gmpo_ratio_low=rc_cfg.gmpo_ratio_low,
+                       gmpo_ratio_high=rc_cfg.gmpo_ratio_high)
+    if rc_cfg.loss_type == "vespo":
+        return replace(loss_cfg, loss_type="vespo", clip_ratio_c=None, vespo_k_pos=rc_cfg.vespo_k_pos,
+                       vespo_lambda_pos=rc_cfg.vespo_lambda_pos, vespo_k_neg=rc_cfg.vespo_k_neg,
+                       vespo_lambda_neg=rc_cfg.vespo_lambda_neg)
     return loss_cfg
 
 

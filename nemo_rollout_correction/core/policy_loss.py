@@ -31,13 +31,17 @@ __all__ = [
     "add_rollout_log_ratio_penalty",
     "cispo_loss",
     "compute_policy_loss",
+    "gmpo_clipped_log_ratio",
+    "gmpo_loss",
     "gspo_loss",
     "ppo_clip_loss",
     "reinforce_loss",
     "stats_to_means",
+    "vespo_log_weight_sums",
+    "vespo_loss",
 ]
 
-PolicyLossType = Literal["ppo_clip", "gspo", "reinforce", "cispo"]
+PolicyLossType = Literal["ppo_clip", "gspo", "reinforce", "cispo", "gmpo", "vespo"]
 POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
 
 # Log-ratios are clamped before exp (DESIGN decision 3): an overflow caps instead of becoming inf.
@@ -59,7 +63,8 @@ class PolicyLossConfig:
     """Which policy loss to use and how to clip and reduce it."""
 
     loss_type: PolicyLossType = "ppo_clip"
-    """``ppo_clip`` (PPO, optional dual clip), ``gspo`` (sequence-level ratio), ``reinforce`` or ``cispo``."""
+    """``ppo_clip`` (PPO, optional dual clip), ``gspo`` (sequence-level ratio), ``reinforce``, ``cispo`` or
+    ``gmpo`` (geometric mean of the clipped token ratios) or ``vespo`` (Gamma-shaped sequence weight)."""
     clip_ratio_low: float = 0.2
     """eps_low: the ratio is clipped below at ``1 - clip_ratio_low``; in [0, 1)."""
     clip_ratio_high: float = 0.2
@@ -72,6 +77,18 @@ class PolicyLossConfig:
     """CISPO: lower bound on the ratio before its stop-gradient (>= 0; 0 = none)."""
     cispo_ratio_high: float = 5.0
     """CISPO: upper bound on the ratio before its stop-gradient (>= cispo_ratio_low)."""
+    gmpo_ratio_low: float = math.exp(-0.4)
+    """GMPO: lower clip bound on each token ratio (0 < low <= 1; TRL's exp(-epsilon), epsilon = 0.4)."""
+    gmpo_ratio_high: float = math.exp(0.4)
+    """GMPO: upper clip bound on each token ratio (>= 1; TRL's exp(epsilon_high))."""
+    vespo_k_pos: float = 2.0
+    """VESPO: power k of the Gamma kernel for A >= 0 (>= 0; TRL's default)."""
+    vespo_lambda_pos: float = 3.0
+    """VESPO: decay lambda of the Gamma kernel for A >= 0 (> 0)."""
+    vespo_k_neg: float = 3.0
+    """VESPO: power k for A < 0 (>= 0)."""
+    vespo_lambda_neg: float = 2.0
+    """VESPO: decay lambda for A < 0 (> 0)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in POLICY_LOSS_TYPES:
@@ -85,6 +102,8 @@ class PolicyLossConfig:
                 f"set it to None for loss_type={self.loss_type!r}"
             )
         _check_cispo_ratios(self.cispo_ratio_low, self.cispo_ratio_high)
+        _check_gmpo_ratios(self.gmpo_ratio_low, self.gmpo_ratio_high)
+        _check_vespo(self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg)
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(
                 f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg_mode!r}"
@@ -99,11 +118,15 @@ def compute_policy_loss(
     cfg: PolicyLossConfig,
     *,
     is_weights: Tensor | None = None,
+    seq_statistic: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Dispatch to the loss named by ``cfg.loss_type``; all tensors ``[batch, seq]``.
 
     The result is per-token: reduce it with ``aggregate_loss(out.per_token_loss, mask,
-    cfg.loss_agg_mode, ...)`` and the step's global denominator.
+    cfg.loss_agg_mode, ...)`` and the step's global denominator. ``seq_statistic`` (``[batch]``,
+    GMPO and VESPO only): the per-sequence statistic over the whole sequence (GMPO's mean clipped
+    log-ratio, VESPO's summed log weight), which a context-parallel caller completes over its CP
+    group; None computes it from the local tokens.
     """
     if cfg.loss_type == "ppo_clip":
         return ppo_clip_loss(
@@ -129,6 +152,14 @@ def compute_policy_loss(
     if cfg.loss_type == "cispo":
         return cispo_loss(logprobs, old_logprobs, advantages, mask, is_weights=is_weights,
                           ratio_low=cfg.cispo_ratio_low, ratio_high=cfg.cispo_ratio_high)
+    if cfg.loss_type == "gmpo":
+        return gmpo_loss(logprobs, old_logprobs, advantages, mask, is_weights=is_weights,
+                         ratio_low=cfg.gmpo_ratio_low, ratio_high=cfg.gmpo_ratio_high,
+                         seq_mean_log_ratio=seq_statistic)
+    if cfg.loss_type == "vespo":
+        return vespo_loss(logprobs, old_logprobs, advantages, mask, is_weights=is_weights, k_pos=cfg.vespo_k_pos,
+                          lambda_pos=cfg.vespo_lambda_pos, k_neg=cfg.vespo_k_neg, lambda_neg=cfg.vespo_lambda_neg,
+                          seq_log_weight=seq_statistic)
     return reinforce_loss(logprobs, advantages, mask, is_weights=is_weights, old_logprobs=old_logprobs)
 
 
@@ -173,6 +204,166 @@ def cispo_loss(
         "pg_clipfrac_sum": _count((below | above) & keep),
         "pg_clipfrac_lower_sum": _count(below & keep),
         "cispo_weight_sum": _sum64(weight, keep),
+        "ppo_kl_sum": _sum64(-log_ratio, keep),
+        "num_tokens": _count(keep),
+    }
+    return PolicyLossOutput(per_token_loss, stats)
+
+
+def gmpo_clipped_log_ratio(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, ratio_low: float, ratio_high: float
+) -> Tensor:
+    """GMPO's per-token clipped log-ratio ``[batch, seq]`` (gradient through ``logprobs`` where unclipped).
+
+    PPO's pessimistic one-sided clip written in log space: ``min(l, log high)`` where ``A > 0`` and
+    ``max(l, log low)`` where ``A <= 0``, ``l = logprobs - old_logprobs`` (TRL's
+    ``where(A > 0, minimum(l, clamp(l)), maximum(l, clamp(l)))``, the same values).
+    Inputs must already be finite (see ``_mask_inputs``).
+    """
+    log_ratio = logprobs - old_logprobs
+    clamped = log_ratio.clamp(math.log(ratio_low), math.log(ratio_high))
+    return torch.where(advantages > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
+
+
+def gmpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    is_weights: Tensor | None = None,
+    ratio_low: float = math.exp(-0.4),
+    ratio_high: float = math.exp(0.4),
+    seq_mean_log_ratio: Tensor | None = None,
+) -> PolicyLossOutput:
+    """GMPO (geometric-mean policy optimisation): the token ratios of a sequence combined by their
+    geometric mean, each clipped first (PPO's one-sided clip, in log space).
+
+    Sequence objective: ``-A_i * G_i`` with ``G_i = exp(mean_t c_t)`` over the kept tokens, ``c_t`` the
+    clipped log-ratio (:func:`gmpo_clipped_log_ratio`). Per token the loss is
+    ``-A * exp(sg(m_i) + c_t - sg(c_t))``: its value is ``-A_i G_i`` on every token of the sequence and
+    its gradient ``-A_i G_i grad(c_t)``, so the ``seq-mean-token-mean`` aggregation gives exactly the
+    gradient of ``-A_i G_i`` averaged over sequences (TRL's GMPO). Other aggregation modes weight each
+    sequence's term by its token count instead. IS weights (decoupled mode) multiply per token.
+
+    Args:
+        logprobs, old_logprobs, advantages, mask, is_weights: as in :func:`ppo_clip_loss`.
+        ratio_low, ratio_high: the clip range of each token ratio, ``0 < low <= 1 <= high``.
+        seq_mean_log_ratio: ``[batch]`` ``m_i``, the masked mean of the clipped log-ratios over the
+            whole sequence; a context-parallel caller passes it (CP-reduced). ``None``: from the local
+            tokens.
+
+    Returns:
+        per-token loss and stats ``pg_clipfrac_sum`` (tokens whose clip was active: ``A > 0`` above
+        ``high`` or ``A < 0`` below ``low``), ``pg_clipfrac_lower_sum`` (the latter),
+        ``gmpo_seq_ratio_sum`` (``G_i`` summed over the kept tokens), ``ppo_kl_sum``, ``num_tokens``.
+    """
+    _check_gmpo_ratios(ratio_low, ratio_high)
+    keep, (logprobs, old_logprobs, advantages) = _mask_inputs(
+        mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
+    )
+    clipped = gmpo_clipped_log_ratio(logprobs, old_logprobs, advantages, ratio_low=ratio_low, ratio_high=ratio_high)
+    clipped = torch.where(keep, clipped, torch.zeros_like(clipped))
+    if seq_mean_log_ratio is None:
+        seq_mean_log_ratio = safe_divide(clipped.detach().sum(dim=-1), keep.sum(dim=-1).to(clipped.dtype))
+    elif seq_mean_log_ratio.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"seq_mean_log_ratio must be [batch] = {tuple(logprobs.shape[:1])}, got {tuple(seq_mean_log_ratio.shape)}"
+        )
+    log_seq = seq_mean_log_ratio.detach().to(clipped.dtype).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_ratio = torch.exp(log_seq.unsqueeze(-1) + clipped - clipped.detach())
+    per_token_loss = _apply_is_weights(-advantages * seq_ratio, is_weights, keep)
+    log_ratio = (logprobs - old_logprobs).detach()
+    low = (advantages < 0) & (log_ratio < math.log(ratio_low))
+    high = (advantages > 0) & (log_ratio > math.log(ratio_high))
+    stats = {
+        "pg_clipfrac_sum": _count((low | high) & keep),
+        "pg_clipfrac_lower_sum": _count(low & keep),
+        "gmpo_seq_ratio_sum": _sum64(seq_ratio, keep),
+        "ppo_kl_sum": _sum64(-log_ratio, keep),
+        "num_tokens": _count(keep),
+    }
+    return PolicyLossOutput(per_token_loss, stats)
+
+
+VESPO_LOG_W_MIN = math.log(1e-8)
+"""VESPO's floor on the log sequence weight (TRL's clamp, log 1e-8)."""
+
+
+def vespo_log_weight_sums(logprobs: Tensor, old_logprobs: Tensor, keep: Tensor,
+                          is_weights: Tensor | None = None) -> Tensor:
+    """VESPO's per-sequence log weight over this rank's tokens ``[batch]`` (detached; sum them over CP).
+
+    ``sum_t clamp(logprobs - old_logprobs, +-20) + sum_t clamp(log is_weight_t, log 1e-8, 20)`` over the
+    kept tokens: the log of the sequence ratio pi_theta / pi_old times the token IS weights (TRL folds its
+    vLLM correction into the weight). Inputs at masked positions are ignored.
+    """
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(keep, (logprobs.detach() - old_logprobs.detach()), zeros).clamp(-LOG_RATIO_CLAMP,
+                                                                                           LOG_RATIO_CLAMP)
+    total = log_ratio.sum(dim=-1)
+    if is_weights is not None:
+        ones = torch.ones_like(is_weights)
+        log_is = torch.log(torch.where(keep, is_weights.detach(), ones)).clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+        total = total + log_is.to(total.dtype).sum(dim=-1)
+    return total
+
+
+def vespo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    is_weights: Tensor | None = None,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+    seq_log_weight: Tensor | None = None,
+) -> PolicyLossOutput:
+    """VESPO (variational sequence-level soft policy optimisation): a smooth Gamma-shaped weight of the
+    sequence's importance ratio instead of a clip.
+
+    ``w = exp(clamp(log w_seq, log 1e-8, 20))`` with ``log w_seq`` from :func:`vespo_log_weight_sums` (the token
+    IS weights enter there, not as a factor on the loss); ``phi(w) = exp(lambda + k log w - lambda w)``
+    (``phi(1) = 1``, largest at ``w = k / lambda``, vanishing for ``w -> 0`` and ``w -> inf``), ``(k, lambda)``
+    by the sign of the advantage (``A >= 0``: the ``_pos`` pair); per token ``-sg(phi) * A * logprobs``.
+
+    Args:
+        logprobs, old_logprobs, advantages, mask: as in :func:`ppo_clip_loss`.
+        is_weights: the token IS weights (decoupled mode), folded into ``w``.
+        k_pos, lambda_pos, k_neg, lambda_neg: the kernel's parameters, ``k >= 0``, ``lambda > 0``.
+        seq_log_weight: ``[batch]`` ``log w_seq`` over the whole sequence (a context-parallel caller passes the
+            CP sum); None: from the local tokens.
+
+    Returns:
+        per-token loss and stats ``vespo_phi_sum`` (``phi`` summed over the kept tokens), ``ppo_kl_sum``,
+        ``num_tokens`` and zero clip counts (VESPO has no clip).
+    """
+    _check_vespo(k_pos, lambda_pos, k_neg, lambda_neg)
+    keep, (logprobs, old_logprobs, advantages) = _mask_inputs(
+        mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
+    )
+    if is_weights is not None and is_weights.shape != logprobs.shape:
+        raise ValueError(f"is_weights shape {tuple(is_weights.shape)} does not match {tuple(logprobs.shape)}")
+    if seq_log_weight is None:
+        seq_log_weight = vespo_log_weight_sums(logprobs, old_logprobs, keep, is_weights)
+    elif seq_log_weight.shape != logprobs.shape[:1]:
+        raise ValueError(f"seq_log_weight must be [batch] = {tuple(logprobs.shape[:1])}, "
+                         f"got {tuple(seq_log_weight.shape)}")
+    log_w = seq_log_weight.detach().to(logprobs.dtype).clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP).unsqueeze(-1)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg).to(logprobs.dtype)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(logprobs.dtype)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    per_token_loss = torch.where(keep, -phi * advantages * logprobs, torch.zeros_like(logprobs))
+    log_ratio = (logprobs - old_logprobs).detach()
+    no_clip = torch.zeros_like(keep)
+    stats = {
+        "pg_clipfrac_sum": _count(no_clip),
+        "pg_clipfrac_lower_sum": _count(no_clip),
+        "vespo_phi_sum": _sum64(phi, keep),
         "ppo_kl_sum": _sum64(-log_ratio, keep),
         "num_tokens": _count(keep),
     }
@@ -387,6 +578,24 @@ def _check_cispo_ratios(ratio_low: float, ratio_high: float) -> None:
             f"cispo_ratio_low / cispo_ratio_high must satisfy 0 <= low <= high, 0 < high < inf (they bound the ratio "
             f"pi_theta / pi_old); got low={ratio_low}, high={ratio_high}"
         )
+
+
+def _check_gmpo_ratios(ratio_low: float, ratio_high: float) -> None:
+    # "not (ok)" so that NaN fails.
+    if not (0.0 < ratio_low <= 1.0 <= ratio_high < math.inf):
+        raise ValueError(
+            f"gmpo_ratio_low / gmpo_ratio_high must satisfy 0 < low <= 1 <= high < inf (they clip each token ratio "
+            f"pi_theta / pi_old; TRL's exp(-epsilon), exp(epsilon_high)); got low={ratio_low}, high={ratio_high}"
+        )
+
+
+def _check_vespo(k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> None:
+    for name, value, low in (("vespo_k_pos", k_pos, 0.0), ("vespo_k_neg", k_neg, 0.0)):
+        if not (low <= value < math.inf):  # "not (ok)" so that NaN fails
+            raise ValueError(f"{name} (the Gamma kernel's power) must be a finite number >= 0, got {value}")
+    for name, value in (("vespo_lambda_pos", lambda_pos), ("vespo_lambda_neg", lambda_neg)):
+        if not (0.0 < value < math.inf):
+            raise ValueError(f"{name} (the Gamma kernel's decay) must be a finite number > 0, got {value}")
 
 
 def _mask_inputs(mask: Tensor, **tensors: Tensor) -> tuple[Tensor, list[Tensor]]:

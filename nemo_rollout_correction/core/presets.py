@@ -11,6 +11,7 @@ tests/unit/test_presets_yaml.py fails when they drift).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 _GEO_BOUNDS = "0.999_1.001"  # verl's geometric RS default: +-0.1% on the geometric-mean ratio
@@ -157,6 +158,22 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cispo": {"loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},
     # ... or on pi_rollout without the old-logprob pass (cispo_anchor='rollout'; no extra IS on top).
     "bypass_cispo": {"bypass_mode": True, "loss_type": "cispo", "cispo_ratio_low": 0.0, "cispo_ratio_high": 5.0},
+    # GMPO with TRL's / the paper's clip range (exp(-0.4), exp(0.4)) on each token ratio before the geometric
+    # mean, on pi_old (TRL's old_per_token_logps) ...
+    "gmpo": {"loss_type": "gmpo", "gmpo_ratio_low": math.exp(-0.4), "gmpo_ratio_high": math.exp(0.4)},
+    # ... or on pi_rollout without the old-logprob pass (no extra IS on top).
+    # VESPO with TRL's defaults (k, lambda) = (2, 3) for A >= 0 and (3, 2) for A < 0, on pi_old with TRL's default
+    # correction for it (vllm_importance_sampling_mode token_truncate, cap 3) folded into the sequence weight ...
+    "vespo": {"loss_type": "vespo", "rollout_is": "token", "rollout_is_threshold": 3.0},
+    # ... or on pi_rollout without the old-logprob pass (no extra IS on top).
+    "bypass_vespo": {"bypass_mode": True, "loss_type": "vespo"},
+    # Adaptive token TIS: each step's bound is the largest U <= 5 keeping the truncated weights' effective sample
+    # size fraction >= 0.9 (no peer has one; docs/math.md, "Adaptive IS threshold").
+    "decoupled_token_tis_auto": {"rollout_is": "token", "rollout_is_threshold": 5.0, "rollout_is_target_ess": 0.9},
+    # M2PO at AReaL's example bound (examples/math/gsm8k_m2po.yaml: m2_threshold 0.04), decided over the step.
+    "m2po": {"m2po_threshold": 0.04},
+    "bypass_gmpo": {"bypass_mode": True, "loss_type": "gmpo", "gmpo_ratio_low": math.exp(-0.4),
+                    "gmpo_ratio_high": math.exp(0.4)},
 }
 
 # Seed names that mean exactly one of the presets above.

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from nemo_rollout_correction.core import keys as K
@@ -53,10 +54,12 @@ from nemo_rollout_correction.core.masking import TokenChunk, validate_advantages
 from nemo_rollout_correction.core.metrics import finalize_metrics
 from nemo_rollout_correction.core.sequence_stats import token_is_weights, token_rs_rejected_any
 from nemo_rollout_correction.core.stats import Partials
+from nemo_rollout_correction.core.step_thresholds import resolve_step_thresholds
 from nemo_rollout_correction.core.weights import normalize_is_weights_
 from nemo_rollout_correction.distributed.context_parallel import gather_sequence_partials
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.reduce import ExtremesMode, PartialsSchema, all_reduce_partials
+from nemo_rollout_correction.distributed.tensor_gather import collective_device
 
 NUM_DENOMINATOR_SEQS = "dist/num_denominator_seqs"
 """SUM partial: sequences with at least one denominator token, each counted on one CP rank."""
@@ -74,6 +77,7 @@ __all__ = [
     "reduce_step",
     "reduce_step_metrics",
     "reduce_step_partials",
+    "resolve_step_config",
 ]
 
 
@@ -140,8 +144,30 @@ def core_config(cfg: RolloutCorrectionConfig) -> RolloutCorrectionConfig:
             or cfg.nonfinite_policy == "raise"):
         return cfg
     policy = "mask_token" if cfg.nonfinite_policy == "raise" else cfg.nonfinite_policy
-    return dataclasses.replace(cfg, rollout_is_batch_normalize=False, nonfinite_max_fraction=None,
-                               nonfinite_policy=policy)
+    return cfg.carry_step_thresholds(dataclasses.replace(cfg, rollout_is_batch_normalize=False,
+                                                         nonfinite_max_fraction=None, nonfinite_policy=policy))
+
+
+def resolve_step_config(cfg: RolloutCorrectionConfig, chunks: Sequence[tuple[Tensor, Tensor, Tensor]],
+                        groups: ParallelGroups) -> RolloutCorrectionConfig:
+    """`cfg` with its step-level thresholds (M2PO, the adaptive IS bound) chosen from the whole step over dp x cp.
+
+    chunks: this rank's microbatches `(reference_logprobs, rollout_logprobs, loss_mask)`, `[rows, local_seq]`
+    (pi_old in decoupled mode, the current policy's no-grad logprobs in bypass mode). Every dp x cp rank of the
+    last pipeline stage must call it, also with no microbatch. Collectives: about 8 all-reduces of <= 765
+    float64 over dp x cp (`core.step_thresholds`); none on one rank or without step-level thresholds.
+    """
+    if not cfg.needs_step_thresholds:
+        return cfg
+
+    def reduce(local: Tensor) -> Tensor:
+        if groups.dp_cp_size == 1:
+            return local
+        buf = local.to(device=collective_device(groups.dp_cp_group), dtype=torch.float64).contiguous()
+        dist.all_reduce(buf, group=groups.dp_cp_group)
+        return buf.cpu()
+
+    return resolve_step_thresholds(cfg, chunks, reduce)
 
 
 @functools.lru_cache(maxsize=128)
@@ -188,6 +214,10 @@ def distributed_rollout_correction(
 
     Collectives: one all-gather over the CP group when cp_size > 1, none otherwise.
     """
+    if not cfg.step_thresholds_resolved:
+        raise ValueError("this config chooses thresholds from the whole step (m2po_threshold, rollout_is_target_ess): "
+                         "call "
+                         "resolve_step_config on the step's microbatches first (RolloutCorrectedPolicyLoss.for_step)")
     core_cfg = core_config(cfg)
     survivors: Tensor | None = None
     if groups.cp_size > 1:

@@ -167,6 +167,9 @@ class NeMoRLRolloutCorrectedLoss:
     def __init__(self, rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig | None = None, *,
                  groups: ParallelGroups | None = None, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, vocab_size: int | None = None, split_train_path: bool = False) -> None:
+        if rc_cfg.needs_step_thresholds:  # NeMo-RL calls the loss per microbatch, with no step pre-pass to resolve it
+            raise ValueError("m2po_threshold / rollout_is_target_ess choose a threshold from the whole step, which the "
+                             "NeMo-RL adapter never sees; use RolloutCorrectedPolicyLoss (for_step) or set them null")
         self.loss = RolloutCorrectedPolicyLoss(rc_cfg, loss_cfg)
         if self.loss.agg_mode not in ("token-mean", "seq-mean-token-mean"):
             raise ValueError(f"loss_agg_mode {self.loss.agg_mode!r} has no NeMo-RL equivalent: use 'token-mean' "

@@ -49,14 +49,18 @@ from nemo_rollout_correction.core.policy_loss import (
     PolicyLossConfig,
     add_rollout_log_ratio_penalty,
     compute_policy_loss,
+    gmpo_clipped_log_ratio,
+    vespo_log_weight_sums,
 )
 from nemo_rollout_correction.core.stats import Partials
+from nemo_rollout_correction.distributed.context_parallel import gather_sequence_partials
 from nemo_rollout_correction.distributed.correction import (
     NUM_DENOMINATOR_SEQS,
     MicrobatchCorrection,
     StepReduction,
     distributed_rollout_correction,
     reduce_step,
+    resolve_step_config,
 )
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 
@@ -133,7 +137,7 @@ def rejection_is_predictable(cfg: RolloutCorrectionConfig) -> bool:
         return True
     masking_is = cfg.rollout_is is not None and cfg.rollout_is_mode == "mask"
     frontier = (cfg.opsm_threshold is not None or cfg.kpop_threshold is not None or cfg.dppo_tv_threshold is not None
-                or cfg.seq_logprob_error_threshold is not None)
+                or cfg.seq_logprob_error_threshold is not None or cfg.m2po_threshold is not None)
     return not (cfg.rejection_criteria or cfg.rollout_token_veto_threshold is not None or masking_is or frontier)
 
 
@@ -143,7 +147,7 @@ class RolloutCorrectedPolicyLoss:
     rc_cfg: the rollout correction (mode, IS, RS, veto, non-finite policy).
     loss_cfg: the policy loss and aggregation mode (default: PPO clip, `token-mean`). With
         `rc_cfg.pure_is` (bypass + reinforce) the loss type is forced to `reinforce`, with
-        `rc_cfg.loss_type='cispo'` to `cispo` (`core.objective.policy_loss_for`).
+        `rc_cfg.loss_type='cispo'` / `'gmpo'` to that loss (`core.objective.policy_loss_for`).
     norm_length: the constant length of `seq-mean-token-sum-norm` (default: the padded length of
         the full sequence, `local_seq * cp_size`); pass the maximum response length when
         microbatches are padded differently.
@@ -169,6 +173,18 @@ class RolloutCorrectedPolicyLoss:
         return self.agg_mode in TOKEN_DENOMINATOR_MODES
 
     # ---- the step-level pre-pass ---------------------------------------------------------------
+
+    def for_step(self, microbatches: Sequence[tuple[Tensor, Tensor, Tensor]],
+                 groups: ParallelGroups) -> RolloutCorrectedPolicyLoss:
+        """This loss with the step-level thresholds (M2PO) chosen from the whole step; `self` without any.
+
+        microbatches: this rank's `(reference_logprobs, rollout_logprobs, loss_mask)` shards of the step
+        (reference as for `correct`). Call it before `correct`; every dp x cp rank of the last stage calls it.
+        """
+        cfg = resolve_step_config(self.rc_cfg, microbatches, groups)
+        if cfg is self.rc_cfg:
+            return self
+        return RolloutCorrectedPolicyLoss(cfg, self.loss_cfg, norm_length=self.norm_length)
 
     def correct(self, reference_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
                 groups: ParallelGroups, *, is_weight_mean: float | None = None,
@@ -211,7 +227,8 @@ class RolloutCorrectedPolicyLoss:
                                   rollout_token_veto_threshold=None, bypass_mode=False, loss_type="ppo_clip",
                                   metrics_only=False, opsm_threshold=None, kpop_threshold=None,
                                   dppo_tv_threshold=None, dppo_tv_threshold_low=None,
-                                  seq_logprob_error_threshold=None)
+                                  seq_logprob_error_threshold=None, m2po_threshold=None,
+                                  rollout_is_target_ess=None)
         corrections = [distributed_rollout_correction(rollout, rollout, mask, cfg, groups)
                        for rollout, mask in microbatches]
         step = reduce_step(corrections, cfg, groups)
@@ -263,8 +280,15 @@ class RolloutCorrectedPolicyLoss:
                 raise ValueError("rollout_is_batch_normalize needs the step's global IS-weight mean before the "
                                  "loss: pass denominators from prepare_step (or a precomputed correction)")
             judged = logprobs.detach() if cfg.bypass_mode else reference
-            correction = self.correct(judged, rollout_logprobs, loss_mask, groups, is_weight_mean=mean,
-                                      advantages=advantages)
+            stepped = self
+            if not cfg.step_thresholds_resolved:
+                # This microbatch is the whole step only without step denominators on a single dp x cp rank.
+                if denominators is not None or groups.dp_cp_size > 1:
+                    raise ValueError("m2po_threshold / rollout_is_target_ess choose a threshold from the whole step: "
+                                     "pass a correction from the step's pre-pass (for_step, correct, prepare_step)")
+                stepped = self.for_step([(judged, rollout_logprobs, loss_mask)], groups)
+            correction = stepped.correct(judged, rollout_logprobs, loss_mask, groups, is_weight_mean=mean,
+                                         advantages=advantages)
         elif correction.batch_norm_pending:
             raise ValueError("the correction still awaits batch normalisation: call prepare_step on the step's "
                              "corrections before the loss")
@@ -272,7 +296,9 @@ class RolloutCorrectedPolicyLoss:
         use_weights = cfg.rollout_is is not None and not cfg.metrics_only
         keep = correction.keep_mask
         policy = compute_policy_loss(logprobs, reference.detach(), advantages, keep, self.loss_cfg,
-                                     is_weights=correction.is_weights if use_weights else None)
+                                     is_weights=correction.is_weights if use_weights else None,
+                                     seq_statistic=self.sequence_statistic(logprobs, reference, advantages,
+                                                                           correction, groups, use_weights))
         if cfg.rollout_log_ratio_penalty > 0:
             policy = add_rollout_log_ratio_penalty(policy, logprobs, rollout_logprobs, keep,
                                                    cfg.rollout_log_ratio_penalty)
@@ -288,6 +314,29 @@ class RolloutCorrectedPolicyLoss:
             loss = safe_divide(loss_sum, global_count)
         return MicrobatchLoss(loss=loss, loss_sum=loss_sum, num_denominator=num_denominator,
                               correction=correction, policy_stats=policy.stats)
+
+    def sequence_statistic(self, logprobs: Tensor, reference: Tensor, advantages: Tensor,
+                           correction: MicrobatchCorrection, groups: ParallelGroups,
+                           use_weights: bool = True) -> Tensor | None:
+        """The per-sequence statistic `[batch]` the GMPO / VESPO loss needs over the whole sequence (detached):
+        GMPO's mean clipped log-ratio, VESPO's summed log weight. Under CP each rank holds part of a sequence,
+        so the sums travel in one CP all-gather; None otherwise (the loss takes it from the local tokens)."""
+        cfg = self.loss_cfg
+        if cfg.loss_type not in ("gmpo", "vespo") or groups.cp_size == 1:
+            return None
+        keep = correction.keep_mask
+        zeros = torch.zeros_like(logprobs)
+        current, ref = torch.where(keep, logprobs.detach(), zeros), torch.where(keep, reference.detach(), zeros)
+        if cfg.loss_type == "vespo":
+            local = vespo_log_weight_sums(current, ref, keep, correction.is_weights if use_weights else None)
+        else:
+            clipped = gmpo_clipped_log_ratio(current, ref, torch.where(keep, advantages, zeros),
+                                             ratio_low=cfg.gmpo_ratio_low, ratio_high=cfg.gmpo_ratio_high)
+            local = torch.where(keep, clipped, zeros).sum(dim=-1)
+        total = gather_sequence_partials(Partials(sums={"seq": local.to(torch.float64)}), groups).reduced.sums["seq"]
+        if cfg.loss_type == "vespo":
+            return total
+        return safe_divide(total, correction.seq_kept_tokens.to(device=total.device, dtype=torch.float64))
 
     def _numerator(self, per_token_loss: Tensor, correction: MicrobatchCorrection,
                    groups: ParallelGroups) -> tuple[Tensor, Tensor]:

@@ -59,7 +59,7 @@ DenominatorStrategy = Literal["decoupled", "rollout_only", "prepass", "post_scal
 _POLICY_SUMS = ("num_tokens", "pg_clipfrac_sum", "pg_clipfrac_lower_sum", "ppo_kl_sum")
 
 
-OBJECTIVE_SUMS = ("cispo_weight_sum", "rollout_sq_log_ratio_sum")
+OBJECTIVE_SUMS = ("cispo_weight_sum", "rollout_sq_log_ratio_sum", "gmpo_seq_ratio_sum", "vespo_phi_sum")
 """Every objective-specific partial sum (`objective_sum_keys` picks those of a config): an update's
 `StepResult.sums` holds exactly the configured ones, so a report can read them from the result."""
 
@@ -73,6 +73,10 @@ def objective_sum_keys(cfg: RolloutCorrectionConfig) -> tuple[str, ...]:
         keys += (OBJECTIVE_SUMS[0],)
     if cfg.rollout_log_ratio_penalty > 0:
         keys += (OBJECTIVE_SUMS[1],)
+    if cfg.loss_type == "gmpo":
+        keys += (OBJECTIVE_SUMS[2],)
+    if cfg.loss_type == "vespo":
+        keys += (OBJECTIVE_SUMS[3],)
     return keys
 
 
@@ -85,9 +89,10 @@ def denominator_strategy(cfg: RolloutCorrectionConfig, *, kl_penalty_on: bool) -
     """
     if not cfg.bypass_mode and cfg.old_logprob_source == "forward":
         return "decoupled"
-    if rejection_is_predictable(cfg) and not cfg.rollout_is_batch_normalize:
+    step_wide = cfg.rollout_is_batch_normalize or cfg.needs_step_thresholds  # need the whole step's values first
+    if rejection_is_predictable(cfg) and not step_wide:
         return "rollout_only"
-    if cfg.rollout_is_batch_normalize or kl_penalty_on:
+    if step_wide or kl_penalty_on:
         return "prepass"
     return "post_scaled"
 
@@ -163,6 +168,7 @@ def plan_step(
     if reference_logprobs is None:
         raise ValueError(f"the {strategy!r} plan needs reference logprobs (old_logprobs or a no-grad pre-pass)")
     per_microbatch = advantages if advantages is not None else [None] * len(rollout_logprobs)
+    loss_fn = loss_fn.for_step(list(zip(reference_logprobs, rollout_logprobs, loss_masks, strict=True)), groups)
     corrections = tuple(
         loss_fn.correct(ref, rollout, mask, groups, advantages=adv)
         for ref, rollout, mask, adv in zip(reference_logprobs, rollout_logprobs, loss_masks, per_microbatch,

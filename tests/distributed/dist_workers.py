@@ -37,7 +37,9 @@ from nemo_rollout_correction.distributed import (
     shard_sequence,
     thd_token_indices,
 )
+from nemo_rollout_correction.distributed.correction import resolve_step_config
 from nemo_rollout_correction.distributed.reduce import ExtremesMode
+from nemo_rollout_correction.losses import RolloutCorrectedPolicyLoss
 
 ROWS, COLS = 12, 16
 NAN, INF = float("nan"), float("inf")
@@ -125,6 +127,12 @@ def _configs() -> dict[str, RolloutCorrectionConfig]:
         "frontier_all": _cfg(rollout_is="token", rollout_is_mode="mask", rollout_is_threshold=1.2,
                              opsm_threshold=0.0, kpop_threshold=0.004, dppo_tv_threshold=0.02,
                              dppo_tv_threshold_low=0.03),
+        # M2PO: the step's cutoff from an exact search over dp x cp (run_step resolves it before the microbatches).
+        "m2po_tis": _cfg(rollout_is="token", rollout_is_threshold=1.2, m2po_threshold=0.004),
+        "bypass_m2po_den": _cfg(bypass_mode=True, m2po_threshold=0.02, rejected_tokens_in_denominator=True,
+                                nonfinite_policy="mask_token"),
+        "auto_is_rs": _cfg(rollout_is="token", rollout_is_threshold=3.0, rollout_is_target_ess=0.95,
+                           rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25", m2po_threshold=0.01),
         "frontier_opsm_den": _cfg(rollout_is="sequence", opsm_threshold=0.005, rejected_tokens_in_denominator=True,
                                   rollout_token_veto_threshold=1e-4),
     }
@@ -286,6 +294,15 @@ def run_step(layout: Layout, groups: ParallelGroups, cfg: RolloutCorrectionConfi
     """One optimizer step's worth of rollout correction, losses and gradients on this rank."""
     microbatches = []
     started = time.perf_counter()
+    if cfg.needs_step_thresholds:  # M2PO: the cutoff from the whole step (bypass: judged on the current policy)
+        chunks = []
+        for start, stop in layout.rows[groups.dp_rank]:
+            tensors, _, _, packed = shard_microbatch(layout, groups, data, start, stop)
+            view = tensors if packed is None else {k: packed.to_padded(v, False if k == "mask" else 0.0)
+                                                   for k, v in tensors.items()}
+            chunks.append((view["logprobs"] if cfg.bypass_mode else view["old"], view["rollout"], view["mask"]))
+        with counter.during("step_thresholds"):
+            cfg = resolve_step_config(cfg, chunks, groups)
     for start, stop in layout.rows[groups.dp_rank]:
         tensors, rows, cols, packed = shard_microbatch(layout, groups, data, start, stop)
         logprobs = tensors["logprobs"].clone().requires_grad_(True)
@@ -316,8 +333,13 @@ def run_step(layout: Layout, groups: ParallelGroups, cfg: RolloutCorrectionConfi
         reference = view["rollout"] if cfg.bypass_mode else view["old"]
         is_weights = mb.is_weights if cfg.rollout_is is not None and not cfg.metrics_only else None
         for mode in LOSS_MODES:
+            seq_mean = None
+            if cfg.loss_type in ("gmpo", "vespo"):  # a statistic over the whole sequence: one CP all-gather
+                with counter.during("loss"):
+                    seq_mean = RolloutCorrectedPolicyLoss(cfg, loss_config(cfg, mode)).sequence_statistic(
+                        view_logprobs, reference, view["advantages"], mb, groups, is_weights is not None)
             policy = compute_policy_loss(view_logprobs, reference.detach(), view["advantages"], mb.keep_mask,
-                                         loss_config(cfg, mode), is_weights=is_weights)
+                                         loss_config(cfg, mode), is_weights=is_weights, seq_statistic=seq_mean)
             if cfg.rollout_log_ratio_penalty > 0:
                 policy = add_rollout_log_ratio_penalty(policy, view_logprobs, view["rollout"], mb.keep_mask,
                                                        cfg.rollout_log_ratio_penalty)

@@ -79,7 +79,23 @@ CONFIGS: dict[str, RolloutCorrectionConfig] = {
                            dppo_tv_threshold=0.2, dppo_tv_threshold_low=0.2, rollout_log_ratio_penalty=0.05,
                            nonfinite_policy="mask_token"),
     "bypass_cispo": _cfg(bypass_mode=True, loss_type="cispo", cispo_ratio_low=0.95, cispo_ratio_high=1.05),
+    # GMPO: the geometric mean over the whole sequence (a CP all-gather of the clipped log-ratio sums).
+    "gmpo_tis": _cfg(loss_type="gmpo", gmpo_ratio_low=0.97, gmpo_ratio_high=1.02, rollout_is="token",
+                     rollout_is_threshold=1.1),
+    "bypass_gmpo": _cfg(bypass_mode=True, loss_type="gmpo", gmpo_ratio_low=0.95, gmpo_ratio_high=1.03),
+    # VESPO: the sequence weight (with the token IS folded in) summed over the whole sequence (a CP all-gather).
+    "vespo_tis": _cfg(loss_type="vespo", rollout_is="token", rollout_is_threshold=1.1),
+    "bypass_vespo": _cfg(bypass_mode=True, loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5),
+    # The adaptive IS bound: the step's U from the same exact search (for_step), then token TIS at U.
+    "token_tis_auto": _cfg(rollout_is="token", rollout_is_threshold=3.0, rollout_is_target_ess=0.985),
+    "pure_is_auto": _cfg(bypass_mode=True, loss_type="reinforce", rollout_is="token", rollout_is_threshold=4.0,
+                         rollout_is_target_ess=0.995),
+    # M2PO: the cutoff from the whole step's squared log-ratios (for_step's all-reduces), then a token mask.
+    "m2po": _cfg(m2po_threshold=0.006),
+    "bypass_m2po_cispo": _cfg(bypass_mode=True, loss_type="cispo", m2po_threshold=0.01, nonfinite_policy="mask_token"),
 }
+STEP_THRESHOLD_CONFIGS = tuple(name for name, cfg in CONFIGS.items() if cfg.needs_step_thresholds)
+"""Not run through the NeMo-RL adapter, which refuses them (it has no step pre-pass)."""
 
 
 @dataclass(frozen=True)
@@ -136,13 +152,15 @@ def run_layout(layout: Layout, groups: ParallelGroups, data: dict[str, Tensor]) 
                          for k in ("targets", "old", "rollout", "mask")}
                 batch["advantages"] = data["advantages"][start:stop]
                 shards.append((start, stop, logits, batch))
-            corrections = []
+            references = []
             for _, _, logits, batch in shards:
                 with torch.no_grad():
                     current = module_logprobs(logits, batch["targets"], groups)
-                reference = current if cfg.bypass_mode else batch["old"]
-                corrections.append(module.correct(reference, batch["rollout"], batch["mask"], groups,
-                                                  advantages=batch["advantages"]))
+                references.append(current if cfg.bypass_mode else batch["old"])
+            module = module.for_step([(ref, b["rollout"], b["mask"]) for ref, (_, _, _, b) in zip(references, shards,
+                                                                                                  strict=True)], groups)
+            corrections = [module.correct(ref, batch["rollout"], batch["mask"], groups, advantages=batch["advantages"])
+                           for ref, (_, _, _, batch) in zip(references, shards, strict=True)]
             step = module.prepare_step(corrections, groups)
             den = StepDenominators.from_step(step)
             total, grads = 0.0, []
@@ -200,6 +218,8 @@ def run_nemo_rl(layout: Layout, groups: ParallelGroups, data: dict[str, Tensor])
     vocab = _vocab_slice(groups)
     out: dict[Any, Any] = {}
     for cfg_name, cfg in CONFIGS.items():
+        if cfg_name in STEP_THRESHOLD_CONFIGS:
+            continue
         for mode in NEMO_MODES:
             adapter = NeMoRLRolloutCorrectedLoss(cfg, PolicyLossConfig(loss_agg_mode=mode),  # type: ignore[arg-type]
                                                  groups=groups)

@@ -90,10 +90,14 @@ def test_every_preset_runs_one_step(trainer: Any) -> None:
                 assert math.isfinite(metrics[f"rollout_corr/{key}"]), name
         if cfg.seq_logprob_error_threshold is not None:
             assert math.isfinite(metrics["rollout_corr/seq_logprob_error_max"]), name
+        if cfg.m2po_threshold is not None:  # the step's cutoff was resolved over the update before the corrections
+            assert math.isfinite(metrics["rollout_corr/m2po_second_moment_kept"]), name
         # The 2026 objectives log their own loss/* terms, and only when configured (never a stray 0.0).
         assert ("loss/cispo_weight" in metrics) == (cfg.loss_type == "cispo"), name
         assert ("loss/rollout_sq_log_ratio" in metrics) == (cfg.rollout_log_ratio_penalty > 0), name
-        for key in ("loss/cispo_weight", "loss/rollout_sq_log_ratio"):
+        assert ("loss/gmpo_seq_ratio" in metrics) == (cfg.loss_type == "gmpo"), name
+        assert ("loss/vespo_phi" in metrics) == (cfg.loss_type == "vespo"), name
+        for key in ("loss/cispo_weight", "loss/rollout_sq_log_ratio", "loss/gmpo_seq_ratio", "loss/vespo_phi"):
             if key in metrics:
                 assert math.isfinite(metrics[key]), (name, key)
         if not cfg.bypass_mode:  # (a skipped pass differs from a fast one only in wall time: not asserted here)

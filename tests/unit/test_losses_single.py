@@ -91,12 +91,13 @@ def logprobs_of(logits: Tensor, targets: Tensor) -> Tensor:
 def prepass(module: RolloutCorrectedPolicyLoss, data: dict[str, Tensor]
             ) -> tuple[list[MicrobatchCorrection], StepDenominators]:
     """The step pre-pass over SPLITS: corrections, then the step reduction."""
-    corrections = []
-    for start, stop in SPLITS:
-        reference_lp = (logprobs_of(data["logits"][start:stop], data["targets"][start:stop])
-                        if module.rc_cfg.bypass_mode else data["old"][start:stop])
-        corrections.append(module.correct(reference_lp, data["rollout"][start:stop], data["mask"][start:stop], SINGLE,
-                                          advantages=data["advantages"][start:stop]))
+    references = [logprobs_of(data["logits"][start:stop], data["targets"][start:stop]) if module.rc_cfg.bypass_mode
+                  else data["old"][start:stop] for start, stop in SPLITS]
+    # Step-level thresholds (M2PO) first, from every microbatch of the step.
+    spans = list(zip(references, SPLITS, strict=True))
+    module = module.for_step([(ref, data["rollout"][a:b], data["mask"][a:b]) for ref, (a, b) in spans], SINGLE)
+    corrections = [module.correct(ref, data["rollout"][a:b], data["mask"][a:b], SINGLE,
+                                  advantages=data["advantages"][a:b]) for ref, (a, b) in spans]
     step = module.prepare_step(corrections, SINGLE)
     return corrections, StepDenominators.from_step(step)
 
@@ -148,7 +149,8 @@ def test_megatron_per_token_loss_schedule_equals_core(name: str, mode: str, outp
     module = RolloutCorrectedPolicyLoss(cfg, loss_cfg(mode))
     # Batch normalisation needs the pre-pass; the other configs correct inside the loss function.
     corrections: list[MicrobatchCorrection | None] = (
-        list(prepass(module, data)[0]) if cfg.rollout_is_batch_normalize else [None] * len(SPLITS))
+        list(prepass(module, data)[0]) if cfg.rollout_is_batch_normalize or cfg.needs_step_thresholds
+        else [None] * len(SPLITS))
     logits = data["logits"].clone().requires_grad_(True)
     total_loss, total_tokens, reports = torch.zeros(()), torch.zeros((), dtype=torch.int), []
     sink: list[MicrobatchLoss] = []
@@ -209,6 +211,10 @@ def nemo_batch(data: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_nemo_rl_adapter_equals_core(name: str, mode: str) -> None:
     cfg, data = CONFIGS[name], make_data()
+    if cfg.needs_step_thresholds:  # NeMo-RL calls its loss per microbatch: no step to choose M2PO's cutoff from
+        with pytest.raises(ValueError, match="m2po_threshold"):
+            NeMoRLRolloutCorrectedLoss(cfg, loss_cfg(mode))
+        return
     if cfg.rejected_tokens_in_denominator and mode == "seq-mean-token-mean":
         pytest.skip("NeMo-RL divides each sequence by all its mask tokens here: tests/unit/test_nemo_rl_parity.py")
     ref_loss, ref_grad = reference(cfg, mode, data)
