@@ -27,6 +27,7 @@ __all__ = [
     "EnvState",
     "EnvStep",
     "Trajectory",
+    "multi_turn_counts",
     "parse_env_step",
     "turn_segments",
 ]
@@ -149,3 +150,15 @@ def turn_segments(turn_ids: Sequence[int]) -> list[tuple[int, int, int]]:
             segments.append((int(turn_ids[start]), start, index))
             start = index
     return segments
+
+
+def multi_turn_counts(turn_ids: Sequence[Sequence[int] | None]) -> tuple[list[int], int, int]:
+    """Per sample its number of turns (1 for a single-turn sample), and the batch's observation and response
+    token counts (`turn_ids` of each sample, None for single-turn)."""
+    turns, observed, total = [], 0, 0
+    for ids in turn_ids:
+        ids = list(ids or [])
+        turns.append(max(ids, default=0) + 1)
+        observed += sum(1 for t in ids if t == OBSERVATION)
+        total += len(ids)
+    return turns, observed, total
