@@ -147,8 +147,8 @@ class RolloutBatch:
 
     @property
     def num_generated_tokens(self) -> int:
-        """Total response tokens."""
-        return sum(len(s.token_ids) for s in self.samples)
+        """Total sampled response tokens (multi-turn: observation tokens are not generated and not counted)."""
+        return sum(len(s.token_ids) if s.turn_ids is None else sum(t >= 0 for t in s.turn_ids) for s in self.samples)
 
     def to_tensors(self, pad_token_id: int = 0) -> dict[str, Tensor]:
         """Right-padded training tensors over `[prompt; response]`, aligned to next-token positions.

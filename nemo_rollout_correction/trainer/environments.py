@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.rollout.multi_turn import EnvState, EnvStep
 from nemo_rollout_correction.rollout.multi_turn_loop import Environment, chat_observation_encoder, run_multi_turn
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions
@@ -35,6 +36,7 @@ __all__ = [
     "MULTI_TURN_ENVIRONMENTS",
     "arithmetic_feedback_env",
     "calculator_env",
+    "check_multi_turn_supported",
     "environment_reward",
     "evaluate_expression",
     "generate_multi_turn",
@@ -141,3 +143,15 @@ def generate_multi_turn(engine: Any, records: Sequence[PromptRecord], prompts: S
                                           metadata={**records[s.prompt_index].metadata, ENV_REWARD_KEY: reward})
                       for s, reward in zip(result.batch.samples, result.env_rewards, strict=True)]
     return result.batch, sample_records
+
+
+def check_multi_turn_supported(cfg: TrainConfig) -> None:
+    """Refuse, naming the key, what a multi-turn task does not support yet: held-out evaluation (it samples one
+    turn) and rollout routing replay (the loop records no routing)."""
+    if cfg.eval.enabled:
+        raise ValueError(f"task.name={cfg.task.name} is multi-turn and held-out evaluation samples single turns: set "
+                         "eval.enabled=false (multi-turn evaluation is not implemented; docs/multi_turn.md)")
+    if cfg.rollout.routing_replay != "none":
+        raise ValueError(f"rollout.routing_replay={cfg.rollout.routing_replay} is not supported with the multi-turn "
+                         f"task {cfg.task.name} (the multi-turn loop records no routing); set "
+                         "rollout.routing_replay=none")

@@ -50,7 +50,7 @@ from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRollou
 from nemo_rollout_correction.trainer import async_rollouts, evaluation
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
-from nemo_rollout_correction.trainer.environments import generate_multi_turn
+from nemo_rollout_correction.trainer.environments import check_multi_turn_supported, generate_multi_turn
 from nemo_rollout_correction.trainer.rewards import score
 from nemo_rollout_correction.trainer.settings import (
     broadcast_rollouts,
@@ -105,6 +105,8 @@ class RolloutFleet:
         self.hf_dir = hf_dir
         self.sampler, self.tokenize, self.reward_fn = sampler, tokenize, task.reward_fn
         self.environment = task.environment  # multi-turn (trainer/environments.py); None: single-turn
+        if self.environment is not None:  # not yet wired for multi-turn (docs/multi_turn.md, "Not done")
+            check_multi_turn_supported(cfg)
         self._tokenizer: Any = None  # multi-turn: observation text -> ids, loaded on the engine rank
         self.sampling = sampling_options(cfg)
         self.sampling.validate()

@@ -150,3 +150,16 @@ def test_config_groups_set_max_turns(tmp_path: Path) -> None:
     assert load_config([], tmp_path).rollout.max_turns == 1
     with pytest.raises(ValueError, match=r"rollout\.max_turns"):
         load_config(["rollout.max_turns=0"], tmp_path)
+
+
+def test_multi_turn_refuses_what_it_does_not_support(tmp_path: Path) -> None:
+    pytest.importorskip("hydra")
+    from nemo_rollout_correction.config.loader import load_config
+    from nemo_rollout_correction.trainer.environments import check_multi_turn_supported
+
+    check_multi_turn_supported(load_config(["task=calculator"], tmp_path))
+    with pytest.raises(ValueError, match=r"set eval\.enabled=false"):
+        check_multi_turn_supported(load_config(["task=calculator", "eval.num_prompts=4", "eval.every_n_steps=1"],
+                                               tmp_path))
+    with pytest.raises(ValueError, match=r"rollout\.routing_replay=r3 is not supported"):
+        check_multi_turn_supported(load_config(["task=calculator", "rollout.routing_replay=r3"], tmp_path))
