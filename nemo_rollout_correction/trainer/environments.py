@@ -150,7 +150,8 @@ def check_multi_turn_supported(cfg: TrainConfig) -> None:
     turn) and rollout routing replay (the loop records no routing)."""
     if cfg.eval.enabled:
         raise ValueError(f"task.name={cfg.task.name} is multi-turn and held-out evaluation samples single turns: set "
-                         "eval.enabled=false (multi-turn evaluation is not implemented; docs/multi_turn.md)")
+                         "eval.every_n_steps=0 and eval.before_train=false (multi-turn evaluation is not implemented; "
+                         "docs/multi_turn.md)")
     if cfg.rollout.routing_replay != "none":
         raise ValueError(f"rollout.routing_replay={cfg.rollout.routing_replay} is not supported with the multi-turn "
                          f"task {cfg.task.name} (the multi-turn loop records no routing); set "

@@ -158,7 +158,7 @@ def test_multi_turn_refuses_what_it_does_not_support(tmp_path: Path) -> None:
     from nemo_rollout_correction.trainer.environments import check_multi_turn_supported
 
     check_multi_turn_supported(load_config(["task=calculator"], tmp_path))
-    with pytest.raises(ValueError, match=r"set eval\.enabled=false"):
+    with pytest.raises(ValueError, match=r"set eval\.every_n_steps=0 and eval\.before_train=false"):
         check_multi_turn_supported(load_config(["task=calculator", "eval.num_prompts=4", "eval.every_n_steps=1"],
                                                tmp_path))
     with pytest.raises(ValueError, match=r"rollout\.routing_replay=r3 is not supported"):
