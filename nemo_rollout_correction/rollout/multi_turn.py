@@ -15,6 +15,7 @@ Per response token the trajectory records a *turn id*: the turn index `k >= 0` o
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "Trajectory",
     "multi_turn_counts",
     "parse_env_step",
+    "retokenization_drift",
     "turn_segments",
 ]
 
@@ -162,3 +164,16 @@ def multi_turn_counts(turn_ids: Sequence[Sequence[int] | None]) -> tuple[list[in
         observed += sum(1 for t in ids if t == OBSERVATION)
         total += len(ids)
     return turns, observed, total
+
+
+def retokenization_drift(tito_ids: Sequence[int], retokenized_ids: Sequence[int]) -> tuple[int, int]:
+    """What re-tokenizing a conversation's chat text would change: `(differing, total)` token ids.
+
+    tito_ids: the trajectory as the trainer trains it, token in / token out (prompt + turns + observations);
+    retokenized_ids: the same conversation rendered as chat text and tokenized again. `differing` counts the
+    token-in/token-out ids an optimal alignment (`difflib`, no junk heuristic) leaves unmatched: tokens a
+    re-tokenizing trainer would score under other ids or other contexts. `total = len(tito_ids)`.
+    """
+    matcher = difflib.SequenceMatcher(a=list(tito_ids), b=list(retokenized_ids), autojunk=False)
+    matched = sum(block.size for block in matcher.get_matching_blocks())
+    return len(tito_ids) - matched, len(tito_ids)

@@ -40,6 +40,7 @@ __all__ = [
     "environment_reward",
     "evaluate_expression",
     "generate_multi_turn",
+    "retokenized_chat_ids",
 ]
 
 ENV_REWARD_KEY = "env_reward"
@@ -156,3 +157,20 @@ def check_multi_turn_supported(cfg: TrainConfig) -> None:
         raise ValueError(f"rollout.routing_replay={cfg.rollout.routing_replay} is not supported with the multi-turn "
                          f"task {cfg.task.name} (the multi-turn loop records no routing); set "
                          "rollout.routing_replay=none")
+
+
+def retokenized_chat_ids(tokenizer: Any, prompt: str, turn_texts: Sequence[str],
+                         observations: Sequence[Any]) -> list[int]:
+    """The conversation as a trainer that re-tokenizes chat text would see it: the chat template over `user`
+    (prompt), then `assistant` (each turn's text) and `user` (each observation's text; token-id observations
+    decoded), tokenized in one piece. Compare with the token-in/token-out ids (`multi_turn.retokenization_drift`)."""
+    messages = [{"role": "user", "content": prompt}]
+    for k, text in enumerate(turn_texts):
+        messages.append({"role": "assistant", "content": text})
+        if k < len(observations) and observations[k] is not None:
+            obs = observations[k]
+            messages.append({"role": "user", "content": obs if isinstance(obs, str) else tokenizer.decode(obs)})
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]

@@ -163,3 +163,26 @@ def test_multi_turn_refuses_what_it_does_not_support(tmp_path: Path) -> None:
                                                tmp_path))
     with pytest.raises(ValueError, match=r"rollout\.routing_replay=r3 is not supported"):
         check_multi_turn_supported(load_config(["task=calculator", "rollout.routing_replay=r3"], tmp_path))
+
+
+def test_retokenization_drift_counts_unmatched_ids() -> None:
+    from nemo_rollout_correction.rollout.multi_turn import retokenization_drift
+
+    assert retokenization_drift([1, 2, 3, 4], [1, 2, 3, 4]) == (0, 4)
+    assert retokenization_drift([1, 2, 3, 4], [1, 23, 4]) == (2, 4)  # 2 and 3 merged into one id
+    assert retokenization_drift([1, 2, 3], [1, 2, 3, 9]) == (0, 3)  # an extra id does not hide a token
+    assert retokenization_drift([], [5]) == (0, 0)
+
+
+def test_retokenized_chat_ids_renders_the_conversation() -> None:
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from nemo_rollout_correction.models.sources import resolve_model_source
+    from nemo_rollout_correction.trainer.environments import retokenized_chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_source("tiny-llama")))
+    ids = retokenized_chat_ids(tokenizer, "What is 1 + 1?", ["3", "2"], ["Try again."])
+    text = tokenizer.decode(ids)
+    assert text.index("What is 1 + 1?") < text.index("3") < text.index("Try again.") < text.rindex("2")
+    assert text.count("<|im_start|>assistant") == 2 and text.count("<|im_start|>user") == 2
