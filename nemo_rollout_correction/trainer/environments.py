@@ -148,11 +148,16 @@ def generate_multi_turn(engine: Any, records: Sequence[PromptRecord], prompts: S
 
 def check_multi_turn_supported(cfg: TrainConfig) -> None:
     """Refuse, naming the key, what a multi-turn task does not support yet: held-out evaluation (it samples one
-    turn) and rollout routing replay (the loop records no routing)."""
+    turn), DAPO's overlong penalty (it reads the whole response length) and rollout routing replay (the loop
+    records no routing)."""
     if cfg.eval.enabled:
         raise ValueError(f"task.name={cfg.task.name} is multi-turn and held-out evaluation samples single turns: set "
                          "eval.every_n_steps=0 and eval.before_train=false (multi-turn evaluation is not implemented; "
                          "docs/multi_turn.md)")
+    if cfg.grpo.overlong_penalty:
+        raise ValueError(f"grpo.overlong_penalty=true is not supported with the multi-turn task {cfg.task.name}: it "
+                         "measures the whole response (observations included) against rollout.max_new_tokens, a "
+                         "per-turn budget; set grpo.overlong_penalty=false")
     if cfg.rollout.routing_replay != "none":
         raise ValueError(f"rollout.routing_replay={cfg.rollout.routing_replay} is not supported with the multi-turn "
                          f"task {cfg.task.name} (the multi-turn loop records no routing); set "

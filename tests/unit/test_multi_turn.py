@@ -161,6 +161,8 @@ def test_multi_turn_refuses_what_it_does_not_support(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"set eval\.every_n_steps=0 and eval\.before_train=false"):
         check_multi_turn_supported(load_config(["task=calculator", "eval.num_prompts=4", "eval.every_n_steps=1"],
                                                tmp_path))
+    with pytest.raises(ValueError, match=r"set grpo\.overlong_penalty=false"):
+        check_multi_turn_supported(load_config(["task=calculator", "grpo.overlong_penalty=true"], tmp_path))
     with pytest.raises(ValueError, match=r"rollout\.routing_replay=r3 is not supported"):
         check_multi_turn_supported(load_config(["task=calculator", "rollout.routing_replay=r3"], tmp_path))
 
