@@ -35,12 +35,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     srv.stop()
 
 
+@pytest.mark.timeout(1500)  # 2 steps took 60-90 s each on a loaded 2-core machine, plus engine start
 def test_multi_turn_feedback_run_through_mlflow(server: Any, tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [*TINY_FAST, "tracking.system_metrics=false", "task=arithmetic_feedback", "rollout.max_turns=3",
-            "rollout.max_new_tokens=8", "run.num_steps=2", f"run.output_dir={out}",
+            "rollout.max_new_tokens=8", "task.prompts_per_step=2", "run.num_steps=2", f"run.output_dir={out}",
             f"tracking.tracking_uri={server.uri}", "tracking.experiment=multi_turn", "tracking.plot_every=0"]
-    proc = subprocess.run(NRC + args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(NRC + args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=1400)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
 
     rows = read_metrics(out)
