@@ -65,10 +65,11 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    rows = [(m, measure(m, args.prompts, args.samples, args.max_tokens)) for m in args.models]
-    print(f"{'model':<16}{'trajectories':>14}{'turns':>8}{'ids differing':>16}{'exact':>8}")
-    for model, r in rows:
-        print(f"{model:<16}{r['trajectories']:>14.0f}{r['turns']:>8.2f}{r['differing']:>16.2%}{r['exact']:>8.0%}")
+    print(f"{'model':<16}{'trajectories':>14}{'turns':>8}{'ids differing':>16}{'exact':>8}", flush=True)
+    for model in args.models:  # each row as soon as it is measured (an engine start takes minutes on a busy CPU)
+        r = measure(model, args.prompts, args.samples, args.max_tokens)
+        print(f"{model:<16}{r['trajectories']:>14.0f}{r['turns']:>8.2f}{r['differing']:>16.2%}{r['exact']:>8.0%}",
+              flush=True)
 
 
 if __name__ == "__main__":
