@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 PolicyDtype = Literal["float32", "bfloat16", "float16"]
-TaskName = Literal["arithmetic", "length_target", "dataset"]
+TaskName = Literal["arithmetic", "length_target", "dataset", "calculator", "arithmetic_feedback"]
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 LauncherName = Literal["local", "slurm"]
 LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)
@@ -198,6 +198,8 @@ class RolloutConfig:
     top_k: int = _f(-1, "Top-k sampling; -1 disables it.")
     max_new_tokens: int = _f(48, "Maximum response length in tokens.")
     num_samples_per_prompt: int = _f(4, "Responses sampled per prompt (the GRPO group size).")
+    max_turns: int = _f(1, "Multi-turn tasks (an environment; docs/multi_turn.md): most policy turns per trajectory, "
+                        "each up to max_new_tokens; 1 is single-turn.")
     generate_timeout_s: float = _f(1800.0, "Seconds one vLLM generate call (or weight push) may take before the "
                                    "engine is declared hung and the run fails naming it; sized for CPU engines "
                                    "(minutes per batch), lower it on GPUs to catch hangs sooner.")
@@ -251,6 +253,7 @@ class RolloutConfig:
             _fail("rollout.max_new_tokens", self.max_new_tokens,
                   f"must be < rollout.max_model_len ({self.max_model_len}) to leave room for the prompt")
         _at_least("rollout.num_samples_per_prompt", self.num_samples_per_prompt, 1)
+        _at_least("rollout.max_turns", self.max_turns, 1)
         _positive("rollout.generate_timeout_s", self.generate_timeout_s)
 
 

@@ -21,6 +21,8 @@ NonFinitePolicy = Literal["raise", "mask_token", "reject_sequence"]
 OldLogprobSource = Literal["forward", "loglinear"]
 RsStatistic = Literal["k1", "k2", "k3"]
 RsGranularity = Literal["token", "seq_sum", "seq_mean", "seq_max"]
+SequenceUnit = Literal["trajectory", "turn"]
+SEQUENCE_UNITS: tuple[str, ...] = ("trajectory", "turn")
 
 IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
 IS_MODES: tuple[str, ...] = get_args(IsMode)
@@ -180,6 +182,9 @@ class RolloutCorrectionConfig:
     m2po_threshold: float | None = None
     """M2PO: mask the tokens with the largest squared log-ratio until the step's mean squared log-ratio over the
     rest is below this bound (AReaL's m2_threshold, 0.04 in its example); None = off."""
+    sequence_unit: SequenceUnit = "trajectory"
+    """Multi-turn: the unit of sequence-level/geometric IS, sequence rejection and the veto: `trajectory` (the whole
+    response) or `turn` (each policy turn alone; needs the turn of each token, core/segments.py)."""
 
     _criteria: tuple[RejectionCriterion, ...] = field(default=(), init=False, repr=False, compare=False)
     _m2po_cutoff: float | None = field(default=None, init=False, repr=False, compare=False)
@@ -192,6 +197,7 @@ class RolloutCorrectionConfig:
         _check_choice("rollout_is_mode", self.rollout_is_mode, IS_MODES)
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
         _check_choice("nonfinite_policy", self.nonfinite_policy, NONFINITE_POLICIES)
+        _check_choice("sequence_unit", self.sequence_unit, SEQUENCE_UNITS)
         _check_old_logprob_source(self.old_logprob_source, self.loglinear_check_every, self.bypass_mode)
         for name in ("rollout_is_two_sided", "rollout_is_batch_normalize", "bypass_mode", "metrics_only",
                      "rejected_tokens_in_denominator"):

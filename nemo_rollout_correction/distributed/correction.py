@@ -52,6 +52,15 @@ from nemo_rollout_correction.core.correction import (
 )
 from nemo_rollout_correction.core.masking import TokenChunk, validate_advantages
 from nemo_rollout_correction.core.metrics import finalize_metrics
+from nemo_rollout_correction.core.segments import (
+    Segments,
+    expand_rows,
+    expand_tokens,
+    fold_any,
+    fold_rows,
+    fold_sum,
+    segment_loss_mask,
+)
 from nemo_rollout_correction.core.sequence_stats import token_is_weights, token_rs_rejected_any
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.core.step_thresholds import resolve_step_thresholds
@@ -198,6 +207,7 @@ def distributed_rollout_correction(
     *,
     is_weight_mean: float | None = None,
     advantages: Tensor | None = None,
+    segments: Segments | None = None,
 ) -> MicrobatchCorrection:
     """Rollout correction of one microbatch on this rank's CP shard of its sequences.
 
@@ -212,12 +222,28 @@ def distributed_rollout_correction(
         when `cfg.needs_advantages` (OPSM, DPPO-TV). OPSM's per-sequence advantage sum travels in
         the same CP all-gather as the other per-sequence partials.
 
+    segments: multi-turn, the turn of each token of this shard (core/segments.py); with
+        `cfg.sequence_unit == "turn"` every sequence-level decision is taken per turn (rows expanded to turns,
+        the result folded back; `partials`' sequence counts then count turns). Ignored otherwise.
+
     Collectives: one all-gather over the CP group when cp_size > 1, none otherwise.
     """
     if not cfg.step_thresholds_resolved:
         raise ValueError("this config chooses thresholds from the whole step (m2po_threshold, rollout_is_target_ess): "
                          "call "
                          "resolve_step_config on the step's microbatches first (RolloutCorrectedPolicyLoss.for_step)")
+    if segments is not None and cfg.sequence_unit == "turn":
+        k = segments.count
+        inner = distributed_rollout_correction(
+            expand_tokens(old_logprobs, k), expand_tokens(rollout_logprobs, k), segment_loss_mask(loss_mask, segments),
+            cfg, groups, is_weight_mean=is_weight_mean, advantages=None if advantages is None else expand_rows(
+                advantages, k))
+        out = inner.output
+        keep = fold_any(out.keep_mask, k)
+        folded = dataclasses.replace(
+            out, is_weights=fold_sum(torch.where(out.keep_mask, out.is_weights, 0.0), k), keep_mask=keep,
+            denominator_mask=fold_any(out.denominator_mask, k))
+        return MicrobatchCorrection(folded, fold_rows(inner.seq_kept_tokens, k), inner.batch_norm_pending)
     core_cfg = core_config(cfg)
     survivors: Tensor | None = None
     if groups.cp_size > 1:

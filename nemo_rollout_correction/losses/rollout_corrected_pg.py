@@ -52,6 +52,7 @@ from nemo_rollout_correction.core.policy_loss import (
     gmpo_clipped_log_ratio,
     vespo_log_weight_sums,
 )
+from nemo_rollout_correction.core.segments import Segments
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.distributed.context_parallel import gather_sequence_partials
 from nemo_rollout_correction.distributed.correction import (
@@ -158,6 +159,10 @@ class RolloutCorrectedPolicyLoss:
         loss_cfg = policy_loss_for(rc_cfg, loss_cfg)
         if norm_length is not None and not norm_length > 0:
             raise ValueError(f"norm_length must be > 0, got {norm_length}")
+        if rc_cfg.sequence_unit == "turn" and loss_cfg.loss_agg_mode not in TOKEN_DENOMINATOR_MODES:
+            raise ValueError(f"rollout_correction.sequence_unit=turn supports the token-denominator aggregation modes "
+                             f"{list(TOKEN_DENOMINATOR_MODES)}, got grpo.loss_agg_mode={loss_cfg.loss_agg_mode!r} (its "
+                             "sequence counts would count turns)")
         self.rc_cfg = rc_cfg
         self.loss_cfg = loss_cfg
         self.norm_length = norm_length
@@ -188,7 +193,7 @@ class RolloutCorrectedPolicyLoss:
 
     def correct(self, reference_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
                 groups: ParallelGroups, *, is_weight_mean: float | None = None,
-                advantages: Tensor | None = None) -> MicrobatchCorrection:
+                advantages: Tensor | None = None, segments: Segments | None = None) -> MicrobatchCorrection:
         """The rollout correction of one microbatch shard, before its loss (the pre-pass).
 
         reference_logprobs: `[batch, local_seq]` pi_old in decoupled mode; in bypass mode the
@@ -196,11 +201,12 @@ class RolloutCorrectedPolicyLoss:
         rollout_logprobs, loss_mask: `[batch, local_seq]` this rank's CP shard.
         advantages: `[batch, local_seq]` or `[batch]`, the same the loss gets; required when
             `rc_cfg.needs_advantages` (OPSM, DPPO-TV), ignored otherwise.
+        segments: multi-turn, the turn of each token (`rc_cfg.sequence_unit=turn`; core/segments.py).
         Collectives: one CP all-gather when cp > 1. Every CP rank must call it for the same rows.
         """
         return distributed_rollout_correction(reference_logprobs.detach(), rollout_logprobs, loss_mask,
                                               self.rc_cfg, groups, is_weight_mean=is_weight_mean,
-                                              advantages=advantages)
+                                              advantages=advantages, segments=segments)
 
     def prepare_step(self, corrections: Sequence[MicrobatchCorrection], groups: ParallelGroups) -> StepReduction:
         """Reduce the step's corrections over dp x cp (one fused all-reduce): denominators, metrics.
@@ -212,7 +218,8 @@ class RolloutCorrectedPolicyLoss:
         return reduce_step(corrections, self.rc_cfg, groups)
 
     def rollout_only_denominators(self, microbatches: Sequence[tuple[Tensor, Tensor]],
-                                  groups: ParallelGroups) -> StepDenominators:
+                                  groups: ParallelGroups,
+                                  segments: Sequence[Segments | None] | None = None) -> StepDenominators:
         """Denominators from `(rollout_logprobs, loss_mask)` shards alone, without any model pass.
 
         Counts the loss tokens (and sequences) that survive the non-finite policy on the rollout
@@ -229,8 +236,9 @@ class RolloutCorrectedPolicyLoss:
                                   dppo_tv_threshold=None, dppo_tv_threshold_low=None,
                                   seq_logprob_error_threshold=None, m2po_threshold=None,
                                   rollout_is_target_ess=None)
-        corrections = [distributed_rollout_correction(rollout, rollout, mask, cfg, groups)
-                       for rollout, mask in microbatches]
+        per_microbatch = list(segments) if segments is not None else [None] * len(microbatches)
+        corrections = [distributed_rollout_correction(rollout, rollout, mask, cfg, groups, segments=seg)
+                       for (rollout, mask), seg in zip(microbatches, per_microbatch, strict=True)]
         step = reduce_step(corrections, cfg, groups)
         return StepDenominators(step.num_global_tokens, step.num_global_seqs, None)
 
@@ -247,6 +255,7 @@ class RolloutCorrectedPolicyLoss:
         *,
         old_logprobs: Tensor | None = None,
         correction: MicrobatchCorrection | None = None,
+        segments: Segments | None = None,
     ) -> MicrobatchLoss:
         """The loss of one microbatch shard.
 
@@ -263,6 +272,7 @@ class RolloutCorrectedPolicyLoss:
         correction: this microbatch's pre-pass result from `correct` (after `prepare_step`);
             None computes it here (one CP all-gather when cp > 1). In bypass mode it is then
             computed from the detached current logprobs.
+        segments: multi-turn, the turn of each token (used when the correction is computed here).
         """
         cfg = self.rc_cfg
         if advantages.dim() == 1:
@@ -288,7 +298,7 @@ class RolloutCorrectedPolicyLoss:
                                      "pass a correction from the step's pre-pass (for_step, correct, prepare_step)")
                 stepped = self.for_step([(judged, rollout_logprobs, loss_mask)], groups)
             correction = stepped.correct(judged, rollout_logprobs, loss_mask, groups, is_weight_mean=mean,
-                                         advantages=advantages)
+                                         advantages=advantages, segments=segments)
         elif correction.batch_norm_pending:
             raise ValueError("the correction still awaits batch normalisation: call prepare_step on the step's "
                              "corrections before the loss")

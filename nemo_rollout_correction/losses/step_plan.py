@@ -30,6 +30,7 @@ from torch import Tensor
 
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator, kl_penalty
+from nemo_rollout_correction.core.segments import Segments
 from nemo_rollout_correction.core.stats import Partials
 from nemo_rollout_correction.distributed.correction import MicrobatchCorrection, reduce_step_metrics
 from nemo_rollout_correction.distributed.groups import ParallelGroups
@@ -150,13 +151,15 @@ def plan_step(
     advantages: Sequence[Tensor] | None = None,
     kl_coef: float = 0.0,
     kl_estimator: KLEstimator = "k3",
+    segments: Sequence[Segments | None] | None = None,
 ) -> StepPlan:
     """The update's plan from this rank's microbatch shards (`[rows, local_seq]` each).
 
     reference_logprobs: `old_logprobs` for `decoupled`, the current policy's no-grad logprobs for
         `prepass`; unused otherwise.
     advantages: per microbatch `[rows]`, for the masks that read them (OPSM, DPPO-TV); None when the
-        configuration has none of them. Collectives: a CP all-gather per microbatch and one all-reduce over
+        configuration has none of them. segments: per microbatch, multi-turn turns (`sequence_unit=turn`).
+        Collectives: a CP all-gather per microbatch and one all-reduce over
         dp x cp (not for `post_scaled`). Every dp x cp rank of the last stage calls it.
     """
     kl = {"kl_coef": kl_coef, "kl_estimator": kl_estimator}
@@ -164,15 +167,16 @@ def plan_step(
         return StepPlan(strategy, None, None, {}, **kl)  # type: ignore[arg-type]
     if strategy == "rollout_only":
         pairs = list(zip(rollout_logprobs, loss_masks, strict=True))
-        return StepPlan(strategy, None, loss_fn.rollout_only_denominators(pairs, groups), {}, **kl)  # type: ignore[arg-type]
+        return StepPlan(strategy, None, loss_fn.rollout_only_denominators(pairs, groups, segments), {}, **kl)  # type: ignore[arg-type]
     if reference_logprobs is None:
         raise ValueError(f"the {strategy!r} plan needs reference logprobs (old_logprobs or a no-grad pre-pass)")
     per_microbatch = advantages if advantages is not None else [None] * len(rollout_logprobs)
     loss_fn = loss_fn.for_step(list(zip(reference_logprobs, rollout_logprobs, loss_masks, strict=True)), groups)
+    turns = segments if segments is not None else [None] * len(rollout_logprobs)
     corrections = tuple(
-        loss_fn.correct(ref, rollout, mask, groups, advantages=adv)
-        for ref, rollout, mask, adv in zip(reference_logprobs, rollout_logprobs, loss_masks, per_microbatch,
-                                           strict=True)
+        loss_fn.correct(ref, rollout, mask, groups, advantages=adv, segments=seg)
+        for ref, rollout, mask, adv, seg in zip(reference_logprobs, rollout_logprobs, loss_masks, per_microbatch,
+                                                turns, strict=True)
     )
     step = loss_fn.prepare_step(corrections, groups)
     return StepPlan(strategy, corrections, StepDenominators.from_step(step), step.metrics, **kl)  # type: ignore[arg-type]
@@ -191,6 +195,7 @@ def microbatch_loss(
     *,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    segments: Segments | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Microbatch `index`'s loss under `plan`: `(loss to backpropagate, count or None)`; adds to `stats`.
 
@@ -201,7 +206,7 @@ def microbatch_loss(
     """
     correction = None if plan.corrections is None else plan.corrections[index]
     out = loss_fn(logprobs, rollout_logprobs, advantages, loss_mask, groups, plan.denominators,
-                  old_logprobs=old_logprobs, correction=correction)
+                  old_logprobs=old_logprobs, correction=correction, segments=segments)
     post_scaled = plan.denominators is None
     loss = out.loss_sum if post_scaled else out.loss
     if plan.kl_coef > 0 and ref_logprobs is not None and plan.denominators is not None:

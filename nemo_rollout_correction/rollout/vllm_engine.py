@@ -129,6 +129,9 @@ class RolloutSample:
     policy_version: int = 0
     """The trainer version (completed steps) of the weights that generated it; async rollouts set it
     (trainer/async_rollouts.py), the synchronous step leaves 0."""
+    turn_ids: list[int] | None = None
+    """Multi-turn (rollout/multi_turn.py): per response token, the turn index of a sampled token or -1 for an
+    observation token (out of the loss); None for a single-turn sample (every response token is turn 0)."""
 
 
 @dataclass
@@ -144,8 +147,8 @@ class RolloutBatch:
 
     @property
     def num_generated_tokens(self) -> int:
-        """Total response tokens."""
-        return sum(len(s.token_ids) for s in self.samples)
+        """Total sampled response tokens (multi-turn: observation tokens are not generated and not counted)."""
+        return sum(len(s.token_ids) if s.turn_ids is None else sum(t >= 0 for t in s.turn_ids) for s in self.samples)
 
     def to_tensors(self, pad_token_id: int = 0) -> dict[str, Tensor]:
         """Right-padded training tensors over `[prompt; response]`, aligned to next-token positions.
@@ -155,6 +158,8 @@ class RolloutBatch:
           rollout_logprobs `[S, L - 1]` float32 (0 outside responses, and in every row of a sample shared without
           its logprobs: `logprobs == []`), loss_mask `[S, L - 1]` bool (response tokens),
           response_lengths `[S]`, prompt_lengths `[S]`;
+          when any sample is multi-turn (`turn_ids`) also turn_index `[S, L - 1]` int64 (the turn of each sampled
+          token, -1 elsewhere) and observation_mask `[S, L - 1]` bool (observation tokens: out of loss_mask);
           with routing capture also routed_experts `[S, L, moe_layers, topk]` int16 (expert ids of the token at
           input position t; -1 where none exists: the last sampled token, padding, and samples shared without
           their routing).
@@ -173,6 +178,10 @@ class RolloutBatch:
                 if sample.logprobs:  # empty: shared without them (another data-parallel group trains this row)
                     rollout_logprobs[row, p - 1:p - 1 + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
                 loss_mask[row, p - 1:p - 1 + r] = True
+                if sample.turn_ids is not None:  # multi-turn: observation tokens leave the loss
+                    turns = torch.tensor(sample.turn_ids, dtype=torch.int64)
+                    loss_mask[row, p - 1:p - 1 + r] = turns >= 0
+                    rollout_logprobs[row, p - 1:p - 1 + r].masked_fill_(turns < 0, 0.0)
         out = {
             "input_ids": input_ids,
             "rollout_logprobs": rollout_logprobs,
@@ -180,6 +189,8 @@ class RolloutBatch:
             "response_lengths": torch.tensor([len(s.token_ids) for s in self.samples], dtype=torch.int64),
             "prompt_lengths": torch.tensor([len(s.prompt_token_ids) for s in self.samples], dtype=torch.int64),
         }
+        if any(s.turn_ids is not None for s in self.samples):
+            out["turn_index"], out["observation_mask"] = _turn_tensors(self.samples, loss_mask.shape)
         tables = [s.routed_experts for s in self.samples if s.routed_experts is not None]
         if tables:
             table = torch.full((count, width, *tables[0].shape[1:]), -1, dtype=torch.int16)
@@ -188,6 +199,18 @@ class RolloutBatch:
                     table[row, : sample.routed_experts.shape[0]] = sample.routed_experts
             out["routed_experts"] = table
         return out
+
+
+def _turn_tensors(samples: Sequence[RolloutSample], shape: torch.Size) -> tuple[Tensor, Tensor]:
+    """`turn_index` `[S, L - 1]` int64 (turn of each sampled token, -1 elsewhere) and `observation_mask`."""
+    turn_index = torch.full(shape, -1, dtype=torch.int64)
+    observation = torch.zeros(shape, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        p, r = len(sample.prompt_token_ids), len(sample.token_ids)
+        turns = torch.tensor(sample.turn_ids if sample.turn_ids is not None else [0] * r, dtype=torch.int64)
+        turn_index[row, p - 1:p - 1 + r] = turns
+        observation[row, p - 1:p - 1 + r] = turns < 0
+    return turn_index, observation
 
 
 class RoutingMatcher:

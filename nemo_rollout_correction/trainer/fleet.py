@@ -50,6 +50,7 @@ from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRollou
 from nemo_rollout_correction.trainer import async_rollouts, evaluation
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
+from nemo_rollout_correction.trainer.environments import check_multi_turn_supported, generate_multi_turn
 from nemo_rollout_correction.trainer.rewards import score
 from nemo_rollout_correction.trainer.settings import (
     broadcast_rollouts,
@@ -101,7 +102,12 @@ class RolloutFleet:
     def __init__(self, cfg: TrainConfig, runtime: Runtime, hf_dir: Path, *, task: Task, sampler: PromptSampler,
                  tokenize: Callable[[PromptRecord], list[int]], log: Callable[[str], None]) -> None:
         self.cfg, self.runtime, self.groups, self.log = cfg, runtime, runtime.groups, log
+        self.hf_dir = hf_dir
         self.sampler, self.tokenize, self.reward_fn = sampler, tokenize, task.reward_fn
+        self.environment = task.environment  # multi-turn (trainer/environments.py); None: single-turn
+        if self.environment is not None:  # not yet wired for multi-turn (docs/multi_turn.md, "Not done")
+            check_multi_turn_supported(cfg)
+        self._tokenizer: Any = None  # multi-turn: observation text -> ids, loaded on the engine rank
         self.sampling = sampling_options(cfg)
         self.sampling.validate()
         self.dapo = DapoOptions.from_config(cfg)
@@ -194,7 +200,11 @@ class RolloutFleet:
         call_seed = request_seed(self.cfg.rollout_seed, step, attempt, len(records), self.sampling.n)
         seed = shard_request_seed(call_seed, shard.start, self.sampling.n)
         self.engine.wake_up()  # GPU sleep mode: weights and KV cache back (a no-op on CPU)
-        batch = self.engine.generate(prompts, self.sampling, seed=seed)
+        turn_records: list[PromptRecord] | None = None  # multi-turn: per sample, its record with the env reward
+        if self.environment is not None:
+            batch, turn_records = self._generate_multi_turn([records[i] for i in shard], prompts, seed)
+        else:
+            batch = self.engine.generate(prompts, self.sampling, seed=seed)
         self.engine.sleep()  # GPU sleep mode: free the engine's memory for training
         for sample in batch.samples:  # index into `records`, as with one engine
             sample.prompt_index += shard.start
@@ -205,15 +215,29 @@ class RolloutFleet:
                 sample.origin = (self.engine_index, step, attempt, index)
             with self._held_lock:
                 self._held[(step, attempt)] = list(batch.samples)
-        sample_records = [records[s.prompt_index] for s in batch.samples]
+        sample_records = turn_records or [records[s.prompt_index] for s in batch.samples]
         rewards = score(
             self.reward_fn,
             [r.prompt for r in sample_records],
             [s.text for s in batch.samples],
             sample_records,
-            [len(s.token_ids) for s in batch.samples],
+            [len(s.token_ids) if s.turn_ids is None else sum(t >= 0 for t in s.turn_ids) for s in batch.samples],
+            sample_ids=[(s.prompt_index, i % batch.n) for i, s in enumerate(batch.samples)] if turn_records else None,
         )
         return batch, rewards
+
+    def _generate_multi_turn(self, records: list[PromptRecord], prompts: list[list[int]],
+                             seed: int) -> tuple[RolloutBatch, list[PromptRecord]]:
+        """This engine's multi-turn trajectories (rollout/multi_turn_loop.py) and each sample's record with its
+        environment reward (trainer/environments.py)."""
+        assert self.engine is not None and self.environment is not None
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.hf_dir))
+        return generate_multi_turn(self.engine, records, prompts, self.sampling, self.environment, self._tokenizer,
+                                   max_turns=self.cfg.rollout.max_turns, max_model_len=self.cfg.rollout.max_model_len,
+                                   seed=seed)
 
     def share_rollouts(self, local: tuple[RolloutBatch, list[float]] | None) -> tuple[RolloutBatch, list[float]]:
         """Collective: every engine's (batch, rewards) on every rank of the job, in prompt order.

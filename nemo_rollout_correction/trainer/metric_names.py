@@ -87,6 +87,18 @@ def pg_clipfrac_epoch(epoch: int) -> str:
     return f"loss/pg_clipfrac_epoch{epoch}"
 
 
+# -- multi-turn rollouts (rollout/multi_turn.py) ---------------------------------------------------------------
+MULTI_TURN_NUM_TURNS_MEAN = "multi_turn/num_turns_mean"
+MULTI_TURN_NUM_TURNS_MAX = "multi_turn/num_turns_max"
+MULTI_TURN_OBSERVATION_TOKENS_FRAC = "multi_turn/observation_tokens_frac"
+TURN_MISMATCH_NAMES = ("k3_kl", "log_ratio_abs_mean", "num_tokens")
+
+
+def turn_mismatch(turn: int, name: str) -> str:
+    """`rollout_corr/turn_<k>/<name>` (`name` in `TURN_MISMATCH_NAMES`): the mismatch of the tokens of turn k."""
+    return f"rollout_corr/turn_{turn}/{name}"
+
+
 KNOWN: frozenset[str] = frozenset(value for name, value in dict(globals()).items()
                                   if name.isupper() and isinstance(value, str) and name != "EVAL_PASS_AT_PREFIX")
 """Every fixed name above (the `timing/*`, per-engine and per-epoch families are built by the functions)."""
@@ -101,4 +113,4 @@ def optional(metrics: Mapping[str, float], key: str, absent: float) -> float:
 
 
 __all__ = [name for name in dir() if name.isupper()] + [
-    "engine_refit", "objective", "optional", "pg_clipfrac_epoch", "timing"]
+    "engine_refit", "objective", "optional", "pg_clipfrac_epoch", "timing", "turn_mismatch"]

@@ -30,6 +30,7 @@ from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.devices import tensor_fields_to
 from nemo_rollout_correction.core.loglinear import loglinear_alpha, loglinear_error_partials, loglinear_old_logprobs
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
+from nemo_rollout_correction.core.segments import Segments, turn_mismatch_sums
 from nemo_rollout_correction.distributed.context_parallel import shard_next_token_batch
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
@@ -83,6 +84,7 @@ class Microbatch:
     labels: Tensor | None = None  # CP: [rows, padded // cp] next-token ids of the held positions
     position_ids: Tensor | None = None  # CP: [padded // cp] global positions of the held tokens
     staleness: Tensor | None = None  # async rollouts: [rows] steps between each row's generating policy and this step
+    segments: Segments | None = None  # multi-turn: the turn of each token (core/segments.py), this CP rank's share
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,10 @@ class PolicyUpdate:
             input_ids = tensors["input_ids"][idx, :width]
             rollout_logprobs = tensors["rollout_logprobs"][idx, : width - 1]
             loss_mask = tensors["loss_mask"][idx, : width - 1]
-            shard = shard_tokens(input_ids, {"rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask},
-                                 self.groups, pad_id=self.pad_id)  # this CP rank's tokens of every row
+            token_tensors = {"rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask}
+            if "turn_index" in tensors:  # multi-turn: the turn of each token travels with its shard
+                token_tensors["turn_index"] = tensors["turn_index"][idx, : width - 1]
+            shard = shard_tokens(input_ids, token_tensors, self.groups, pad_id=self.pad_id)  # this CP rank's tokens
             input_ids, labels, position_ids = shard.input_ids, shard.labels, shard.position_ids
             rollout_logprobs, loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
             routing_replay.attach_microbatch(self.policy, tensors, idx, input_ids, position_ids)
@@ -228,6 +232,8 @@ class PolicyUpdate:
                 input_ids=input_ids, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask,
                 advantages=advantages[idx], rows=idx, labels=labels, position_ids=position_ids,
                 staleness=tensors["staleness"][idx] if "staleness" in tensors else None,
+                segments=(Segments(shard.tokens["turn_index"], self.cfg.rollout.max_turns)
+                          if "turn_index" in shard.tokens else None),
             )
             out.append(tensor_fields_to(mb, self.policy.device, keep=("rows",)))  # rows index host tensors
         return out
@@ -286,6 +292,9 @@ class PolicyUpdate:
         with timer("correction"):
             result = StepResult({}, {})
             if self.policy.is_last_stage:
+                for k in range(self.cfg.rollout.max_turns if self.cfg.rollout.max_turns > 1 else 0):  # same keys
+                    for key in (f"turn_{k}/num_tokens", f"turn_{k}/sum_k3", f"turn_{k}/sum_abs_log_ratio"):
+                        stats.sums.setdefault(key, 0.0)  # on every rank, microbatches or not
                 result = finish_step(plan, stats, self.rc_cfg, self.groups, agg_mode=self.loss_fn.agg_mode)
             result = broadcast_from_last_stage(result, self.groups)
         return Update(plan=plan, result=result, applied=applied, passes=passes)
@@ -307,7 +316,8 @@ class PolicyUpdate:
         return plan_step(self.loss_fn, self.strategy, [mb.rollout_logprobs for mb in microbatches],
                          [mb.loss_mask for mb in microbatches], self.groups, reference_logprobs=reference,
                          advantages=[mb.advantages for mb in microbatches],
-                         kl_coef=self.cfg.grpo.kl_coef, kl_estimator=self.cfg.grpo.kl_estimator)
+                         kl_coef=self.cfg.grpo.kl_coef, kl_estimator=self.cfg.grpo.kl_estimator,
+                         segments=[mb.segments for mb in microbatches])
 
     def forward_backward(self, microbatches: list[Microbatch], scored: Sequence[Scored], plan: StepPlan,
                          index: int) -> tuple[StepStats, tuple[MicrobatchPass, ...]]:
@@ -340,7 +350,12 @@ class PolicyUpdate:
             old = self._loglinear_old_logprobs(mb, scored, logprobs, index, stats)
         loss, count = microbatch_loss(plan, self.loss_fn, i, logprobs, mb.rollout_logprobs, mb.advantages,
                                       mb.loss_mask, self.groups, stats, old_logprobs=old,
-                                      ref_logprobs=scored.ref_logprobs)
+                                      ref_logprobs=scored.ref_logprobs, segments=mb.segments)
+        if mb.segments is not None:  # multi-turn: the mismatch by turn index (rollout_corr/turn_<k>/*)
+            reference = old if old is not None else logprobs
+            for key, value in turn_mismatch_sums(reference, mb.rollout_logprobs, mb.loss_mask, mb.segments.ids,
+                                                 mb.segments.count).items():
+                stats.add(key, value)
         interpolated = old if self.uses_loglinear else None
         return loss, count, MicrobatchPass(logprobs=logprobs.detach(), old_logprobs=interpolated)
 

@@ -23,6 +23,7 @@ from nemo_rollout_correction.core.sequence_stats import sequence_mean_k3
 from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.losses.step_plan import OBJECTIVE_SUMS
+from nemo_rollout_correction.rollout.multi_turn import multi_turn_counts
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
 from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.data import PromptRecord
@@ -102,6 +103,11 @@ class StepReport:
             mn.OPTIM_NUM_UPDATES: float(len(updates)),
             mn.ROLLOUT_NUM_ENGINES: float(self.num_engines),
         }
+        if any(s.turn_ids is not None for s in batch.samples):  # multi-turn rollouts (docs/multi_turn.md)
+            turns, observed, total = multi_turn_counts([s.turn_ids for s in batch.samples])
+            metrics |= {mn.MULTI_TURN_NUM_TURNS_MEAN: sum(turns) / len(turns),
+                        mn.MULTI_TURN_NUM_TURNS_MAX: float(max(turns)),
+                        mn.MULTI_TURN_OBSERVATION_TOKENS_FRAC: observed / max(total, 1)}
         # each engine's latest weight load (file refit on CPU), as reported with this step's rollouts
         for engine, seconds in enumerate(engine_refit_seconds):
             metrics[mn.engine_refit(engine)] = seconds
@@ -133,6 +139,13 @@ class StepReport:
                 metrics[mn.pg_clipfrac_epoch(epoch + 1)] = mean([clipfrac(u) for u in chunk])
         for key in updates[0].result.rc_metrics:
             metrics[key] = mean([float(u.result.rc_metrics[key]) for u in updates])
+        sums = updates[0].result.sums  # the mismatch by turn, before the step's first update (multi-turn)
+        for turn in range(sum(1 for key in sums if key.endswith("/sum_k3") and key.startswith("turn_"))):
+            count = sums[f"turn_{turn}/num_tokens"]
+            metrics[mn.turn_mismatch(turn, "num_tokens")] = count
+            metrics[mn.turn_mismatch(turn, "k3_kl")] = sums[f"turn_{turn}/sum_k3"] / max(count, 1.0)
+            metrics[mn.turn_mismatch(turn, "log_ratio_abs_mean")] = (sums[f"turn_{turn}/sum_abs_log_ratio"]
+                                                                    / max(count, 1.0))
         if "loglinear_num_tokens" in updates[0].result.sums:  # a loglinear check step: error vs the forward
             counts = [max(u.result.sums["loglinear_num_tokens"], 1.0) for u in updates]
             metrics[mn.LOGLINEAR_ABS_ERROR_MEAN] = mean(

@@ -5,6 +5,9 @@
 - ``length_target``: short generic writing instructions; reward:
   :func:`~nemo_rollout_correction.trainer.rewards.length_target_reward`, 0 when the response has
   ``target_length`` tokens (the length task of TRL's rollout-correction experiments, seed 000).
+- ``calculator`` / ``arithmetic_feedback``: multi-turn arithmetic (the ``arithmetic`` problems) with an environment:
+  a calculator tool, or feedback after a wrong answer (trainer/environments.py, docs/multi_turn.md); reward: the
+  environment's (:func:`~nemo_rollout_correction.trainer.environments.environment_reward`).
 - ``dataset``: a user's JSONL/Parquet file (``dataset_path``); reward: ``reward_fn`` if given,
   else the numeric-answer reward when every record has a numeric answer.
 
@@ -30,6 +33,11 @@ from nemo_rollout_correction.config.schema import (  # TASK_NAMES re-exported: t
     TrainConfig,
 )
 from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
+from nemo_rollout_correction.trainer.environments import (
+    CALCULATOR_INSTRUCTION,
+    MULTI_TURN_ENVIRONMENTS,
+    environment_reward,
+)
 from nemo_rollout_correction.trainer.reward_pool import RewardPool
 from nemo_rollout_correction.trainer.rewards import (
     arithmetic_reward,
@@ -143,6 +151,8 @@ class Task:
         eval_records: ``[num_eval_prompts]`` held-out prompts, disjoint from ``records`` (empty unless asked).
         success_threshold: a completion is correct when its reward is at least this (pass@k); None when
             the reward has no notion of correctness.
+        environment: the multi-turn environment (``calculator``, ``arithmetic_feedback`` or ``environment=``
+            of :func:`build_task`); None for a single-turn task.
     """
 
     name: str
@@ -151,6 +161,8 @@ class Task:
     reward_name: str
     eval_records: list[PromptRecord] = field(default_factory=list)
     success_threshold: float | None = None
+    environment: Callable[..., Any] | None = None
+    """Multi-turn: `env(state, turn_token_ids) -> EnvStep` (rollout/multi_turn.py); None: single-turn."""
 
     def close(self) -> None:
         """Stop the reward worker processes, if any (a later score starts them again)."""
@@ -274,6 +286,7 @@ def build_task(
     reward_workers: int = 0,
     reward_timeout_s: float = 60.0,
     num_eval_prompts: int = 0,
+    environment: Callable[..., Any] | None = None,
     **unused: Any,
 ) -> Task:
     """Build a task from the ``task:`` config section (see docs/tasks.md).
@@ -290,6 +303,8 @@ def build_task(
         reward_workers: 0 scores in this process (one call per step); ``N >= 1`` scores in a pool of ``N``
             processes, one call per completion (see ``trainer/reward_pool.py`` for what that needs).
         reward_timeout_s: with a pool, the bound on one call in seconds.
+        environment: a multi-turn environment for any task (docs/tasks.md); the multi-turn built-ins bring their
+            own.
         num_eval_prompts: held-out prompts to set aside in ``Task.eval_records`` (built-in tasks only;
             ``arithmetic`` then trains without them).
         **unused: other ``task`` fields (``prompts_per_step``, ``use_chat_template``) are accepted and
@@ -311,6 +326,12 @@ def build_task(
         if num_eval_prompts:
             held_out = length_target_held_out_records(num_eval_prompts, target_length=target_length, seed=seed)
         default = length_target_reward
+    elif name in MULTI_TURN_ENVIRONMENTS:
+        records, held_out = arithmetic_split(num_prompts, num_eval_prompts, max_operand=max_operand, seed=seed)
+        if name == "calculator":
+            records, held_out = _with_instruction(records), _with_instruction(held_out)
+        default = environment_reward
+        environment = environment if environment is not None else MULTI_TURN_ENVIRONMENTS[name]
     elif name == "dataset":
         if dataset_path is None:
             raise ValueError("task.name=dataset needs task.dataset_path=<file.jsonl|file.parquet>")
@@ -339,7 +360,13 @@ def build_task(
         spec = reward_fn if isinstance(reward_fn, str) else None
         resolved = RewardPool(resolved, reward_workers, reward_timeout_s, spec=spec)
     return Task(name=name, records=records, reward_fn=resolved, reward_name=reward_name, eval_records=held_out,
-                success_threshold=threshold)
+                success_threshold=threshold, environment=environment)
+
+
+def _with_instruction(records: list[PromptRecord]) -> list[PromptRecord]:
+    """The calculator task's prompts: the arithmetic problem plus how to call the calculator and answer."""
+    return [dataclasses.replace(r, prompt=r.prompt + CALCULATOR_INSTRUCTION,
+                                metadata={**r.metadata, "task": "calculator"}) for r in records]
 
 
 def task_from_config(cfg: TrainConfig, *, num_eval_prompts: int = 0) -> Task:

@@ -86,14 +86,17 @@ def _trainer_keys() -> set[str]:
 
     def batch_of(records: list[PromptRecord], n: int = 2) -> RolloutBatch:
         samples = [RolloutSample(prompt_index=i, prompt_token_ids=[1], token_ids=[2] * (3 + s),
-                                 logprobs=[-1.0] * (3 + s), finish_reason="length" if s else "stop")
+                                 logprobs=[-1.0] * (3 + s), finish_reason="length" if s else "stop",
+                                 turn_ids=[0, -1] + [1] * (1 + s) if i else None)  # multi-turn and single-turn
                    for i in range(len(records)) for s in range(n)]
         return RolloutBatch(samples, n=n, seconds=1.0)
 
     records = [PromptRecord(prompt=f"p{i}") for i in range(8)]
     sums = {"loss": 0.1, "kl_penalty": 0.0, "num_tokens": 8.0, "pg_clipfrac_sum": 1.0, "pg_clipfrac_lower_sum": 0.0,
             "ppo_kl_sum": 0.01, "loglinear_num_tokens": 8.0, "loglinear_abs_error_sum": 0.1,
-            "loglinear_sq_error_sum": 0.01}
+            "loglinear_sq_error_sum": 0.01, "turn_0/num_tokens": 4.0, "turn_0/sum_k3": 0.01,
+            "turn_0/sum_abs_log_ratio": 0.1, "turn_1/num_tokens": 0.0, "turn_1/sum_k3": 0.0,
+            "turn_1/sum_abs_log_ratio": 0.0}
     update = Update(plan=StepPlan("rollout_only", None, None, {}), result=StepResult(sums, {}),
                     applied=UpdateResult(grad_norm=1.0, lr=1e-3, loss_scale=1.0, skipped=False))
     timer = StepTimer()
@@ -126,9 +129,10 @@ def _trainer_keys() -> set[str]:
 
 
 def _trainer_key_documented(key: str) -> bool:
-    family = re.match(r"(rollout/engine|loss/pg_clipfrac_epoch|eval/pass_at_)\d+(_refit_s)?$", key)
+    family = re.match(r"(rollout/engine|loss/pg_clipfrac_epoch|eval/pass_at_|rollout_corr/turn_)\d+(_refit_s|/\w+)?$",
+                      key)
     if family:  # numbered families are documented by their first member
-        first = "0" if family.group(1) == "rollout/engine" else "1"
+        first = "0" if family.group(1) in ("rollout/engine", "rollout_corr/turn_") else "1"
         return f"`{family.group(1)}{first}{family.group(2) or ''}`" in TRAINER_DOC
     return f"`{key}`" in TRAINER_DOC
 
@@ -145,7 +149,9 @@ def test_every_trainer_metric_is_documented() -> None:
     assert undocumented == [], f"add these to docs/metrics.md, 'The trainer's own keys': {undocumented}"
     correction = {k for k in keys if k.startswith("rollout_corr/")}  # the trainer's loglinear check, names it reads
     assert {"rollout_corr/loglinear_abs_error_mean", "rollout_corr/loglinear_rmse"} <= correction
-    assert [k for k in correction if not (f"`{k}`" in DOC or _documented(k.removeprefix("rollout_corr/")))] == []
+    assert "rollout_corr/turn_1/k3_kl" in correction  # the mismatch by turn (multi-turn)
+    assert [k for k in correction if not (f"`{k}`" in DOC or _documented(k.removeprefix("rollout_corr/"))
+                                          or _trainer_key_documented(k))] == []
 
 
 def test_the_trainer_check_would_catch_a_missing_key() -> None:

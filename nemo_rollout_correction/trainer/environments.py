@@ -1,0 +1,181 @@
+"""Environments of the built-in multi-turn tasks, the reward that reads their rewards, and the fleet's seam.
+
+- ``calculator`` (tool use): "What is a <op> b?"; the policy may call a calculator by writing
+  ``CALC: <expression>`` and gets ``RESULT: <value>`` back as an observation; reward 1.0 when its final answer
+  (the number after ``ANSWER:``, else the first number of the final turn) is right, else 0.0.
+- ``arithmetic_feedback`` (feedback between turns): "What is a <op> b?"; a wrong first number gets the
+  observation "That is not right. Try again." and another turn; reward ``1 / (k + 1)`` for a right answer at turn
+  ``k``, 0.0 if none is right.
+
+An environment is any callable ``env(state, turn_token_ids) -> EnvStep | (observation, done[, reward])``
+(rollout/multi_turn.py); docs/tasks.md says how to plug one in. The trajectory's reward (the sum of what the
+environment returned) reaches the reward function as ``record.metadata["env_reward"]``: :func:`environment_reward`
+returns it, a user's ``task.reward_fn`` may combine it with its own reading of the transcript.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import operator
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.rollout.multi_turn import EnvState, EnvStep
+from nemo_rollout_correction.rollout.multi_turn_loop import Environment, chat_observation_encoder, run_multi_turn
+from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions
+from nemo_rollout_correction.trainer.data import PromptRecord
+from nemo_rollout_correction.trainer.rewards import first_number
+
+__all__ = [
+    "CALCULATOR_INSTRUCTION",
+    "ENV_REWARD_KEY",
+    "FEEDBACK_OBSERVATION",
+    "MULTI_TURN_ENVIRONMENTS",
+    "arithmetic_feedback_env",
+    "calculator_env",
+    "check_multi_turn_supported",
+    "environment_reward",
+    "evaluate_expression",
+    "generate_multi_turn",
+    "retokenized_chat_ids",
+]
+
+ENV_REWARD_KEY = "env_reward"
+CALCULATOR_INSTRUCTION = (" You may use a calculator: write CALC: <expression> and the result comes back."
+                          " Give the final answer as ANSWER: <number>.")
+FEEDBACK_OBSERVATION = "That is not right. Try again."
+_CALC = re.compile(r"CALC\s*[:(]\s*([0-9+\-*/(). ]+)")
+_ANSWER = re.compile(r"ANSWER\s*:\s*(.*)", re.DOTALL)
+_OPS: dict[type, Callable[[Any, Any], Any]] = {ast.Add: operator.add, ast.Sub: operator.sub,
+                                               ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def evaluate_expression(text: str) -> float | None:
+    """The value of an arithmetic expression of numbers, + - * / and parentheses; None if it is anything else
+    (parsed with `ast`, never `eval`), divides by zero, or has more than 64 characters."""
+    if len(text) > 64:
+        return None
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError:
+        return None
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value,
+                                                                                                    bool):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            inner = value(node.operand)
+            return -inner if isinstance(node.op, ast.USub) else inner
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return float(_OPS[type(node.op)](value(node.left), value(node.right)))
+        raise ValueError("not arithmetic")
+
+    try:
+        return value(tree.body)
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+
+
+def _is_right(number: float | None, record: PromptRecord) -> bool:
+    return number is not None and record.answer is not None and abs(number - float(record.answer)) < 1e-9
+
+
+def _format(value: float) -> str:
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+def calculator_env(state: EnvState, turn_token_ids: list[int]) -> EnvStep:
+    """Tool use: a turn with ``CALC: <expression>`` (and no ``ANSWER:``) gets ``RESULT: <value>``; any other turn
+    is final and scored (1.0 for the right answer). A last turn that still calls the calculator scores 0."""
+    del turn_token_ids
+    text = state.turn_texts[-1]
+    answer = _ANSWER.search(text)
+    call = _CALC.search(text)
+    if call is not None and answer is None:
+        result = evaluate_expression(call.group(1))
+        state.scratch["calls"] = state.scratch.get("calls", 0) + 1
+        return EnvStep(observation=f"RESULT: {'error' if result is None else _format(result)}", done=False)
+    final = first_number(answer.group(1)) if answer is not None else first_number(text)
+    return EnvStep(observation=None, done=True, reward=1.0 if _is_right(final, state.record) else 0.0)
+
+
+def arithmetic_feedback_env(state: EnvState, turn_token_ids: list[int]) -> EnvStep:
+    """Feedback between turns: a right first number ends the trajectory with reward ``1 / (turn + 1)``; a wrong
+    one gets :data:`FEEDBACK_OBSERVATION` and another turn (reward 0 if no turn is right)."""
+    del turn_token_ids
+    if _is_right(first_number(state.turn_texts[-1]), state.record):
+        return EnvStep(observation=None, done=True, reward=1.0 / (state.turn + 1))
+    return EnvStep(observation=FEEDBACK_OBSERVATION, done=False)
+
+
+MULTI_TURN_ENVIRONMENTS: dict[str, Environment] = {
+    "calculator": calculator_env,
+    "arithmetic_feedback": arithmetic_feedback_env,
+}
+"""The built-in multi-turn tasks' environments, by `task.name`."""
+
+
+def environment_reward(records: Sequence[PromptRecord], **unused: Any) -> list[float]:
+    """The reward of a multi-turn task: each trajectory's environment reward (`record.metadata["env_reward"]`,
+    set by the multi-turn rollout). Raises ValueError for a record without it (not from a multi-turn rollout)."""
+    del unused
+    out: list[float] = []
+    for index, record in enumerate(records):
+        if ENV_REWARD_KEY not in record.metadata:
+            raise ValueError(f"environment_reward: record {index} has no metadata[{ENV_REWARD_KEY!r}]; it scores "
+                             "multi-turn rollouts only (a task with an environment)")
+        out.append(float(record.metadata[ENV_REWARD_KEY]))
+    return out
+
+
+def generate_multi_turn(engine: Any, records: Sequence[PromptRecord], prompts: Sequence[Sequence[int]],
+                        sampling: SamplingOptions, env: Environment, tokenizer: Any, *, max_turns: int,
+                        max_model_len: int, seed: int | None) -> tuple[RolloutBatch, list[PromptRecord]]:
+    """The fleet's multi-turn generation: the batch and, per sample, its record with the trajectory's environment
+    reward in `metadata["env_reward"]` (what the reward function reads)."""
+    result = run_multi_turn(engine, prompts, records, sampling, env, encode=chat_observation_encoder(tokenizer),
+                            decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+                            max_turns=max_turns, max_model_len=max_model_len, seed=seed)
+    sample_records = [dataclasses.replace(records[s.prompt_index],
+                                          metadata={**records[s.prompt_index].metadata, ENV_REWARD_KEY: reward})
+                      for s, reward in zip(result.batch.samples, result.env_rewards, strict=True)]
+    return result.batch, sample_records
+
+
+def check_multi_turn_supported(cfg: TrainConfig) -> None:
+    """Refuse, naming the key, what a multi-turn task does not support yet: held-out evaluation (it samples one
+    turn), DAPO's overlong penalty (it reads the whole response length) and rollout routing replay (the loop
+    records no routing)."""
+    if cfg.eval.enabled:
+        raise ValueError(f"task.name={cfg.task.name} is multi-turn and held-out evaluation samples single turns: set "
+                         "eval.every_n_steps=0 and eval.before_train=false (multi-turn evaluation is not implemented; "
+                         "docs/multi_turn.md)")
+    if cfg.grpo.overlong_penalty:
+        raise ValueError(f"grpo.overlong_penalty=true is not supported with the multi-turn task {cfg.task.name}: it "
+                         "measures the whole response (observations included) against rollout.max_new_tokens, a "
+                         "per-turn budget; set grpo.overlong_penalty=false")
+    if cfg.rollout.routing_replay != "none":
+        raise ValueError(f"rollout.routing_replay={cfg.rollout.routing_replay} is not supported with the multi-turn "
+                         f"task {cfg.task.name} (the multi-turn loop records no routing); set "
+                         "rollout.routing_replay=none")
+
+
+def retokenized_chat_ids(tokenizer: Any, prompt: str, turn_texts: Sequence[str],
+                         observations: Sequence[Any]) -> list[int]:
+    """The conversation as a trainer that re-tokenizes chat text would see it: the chat template over `user`
+    (prompt), then `assistant` (each turn's text) and `user` (each observation's text; token-id observations
+    decoded), tokenized in one piece. Compare with the token-in/token-out ids (`multi_turn.retokenization_drift`)."""
+    messages = [{"role": "user", "content": prompt}]
+    for k, text in enumerate(turn_texts):
+        messages.append({"role": "assistant", "content": text})
+        if k < len(observations) and observations[k] is not None:
+            obs = observations[k]
+            messages.append({"role": "user", "content": obs if isinstance(obs, str) else tokenizer.decode(obs)})
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
