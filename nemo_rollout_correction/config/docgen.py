@@ -137,7 +137,7 @@ def render() -> str:
             lines += [first, ""]
         attr_docs: dict[str, str] = {}
         if section.name == "rollout_correction":  # core's class and the section's subclass (`alert`)
-            for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+            for base in reversed([c for c in cls.__mro__ if hasattr(c, "__dataclass_fields__")]):
                 attr_docs.update(_attribute_docs(base))
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
@@ -146,7 +146,7 @@ def render() -> str:
             help_text = f.metadata.get("help") or attr_docs.get(f.name, "")
             tp = field_type(cls, f.name)
             value = defaults[section.name][f.name]
-            if dataclasses.is_dataclass(tp):  # a sub-section (`rollout_correction.alert`): one row per key
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a sub-section (`alert`): a row per key
                 for sub in dataclasses.fields(tp):
                     cells = [f"`{section.name}.{f.name}.{sub.name}`", f"`{_cell(type_name(field_type(tp, sub.name)))}`",
                              _cell(_default(value[sub.name])), _cell(sub.metadata.get("help", ""))]

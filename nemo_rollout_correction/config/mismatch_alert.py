@@ -84,6 +84,13 @@ class RolloutCorrectionSection(RolloutCorrectionConfig):
         values.pop("alert", None)
         object.__setattr__(self, "_core", RolloutCorrectionConfig.from_dict(values))  # for __eq__ and __hash__
 
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> RolloutCorrectionSection:
+        """The preset `name` with `overrides` (`alert` among them) applied."""
+        section = super().from_preset(name, **overrides)
+        assert isinstance(section, RolloutCorrectionSection)
+        return section
+
     def to_dict(self) -> dict[str, Any]:
         """Every user-settable field as plain data (`alert` as a mapping)."""
         out = super().to_dict()
