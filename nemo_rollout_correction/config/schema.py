@@ -464,10 +464,17 @@ class AuditConfig:
     trainer_dtypes: list[str] = _f([], "Trainer dtypes to compare on the same rollouts; empty: model.dtype.")
     lm_head_fp32: list[bool] = _f([], "policy.lm_head_fp32 values to compare under non-fp32 trainers; empty: "
                                   "policy.lm_head_fp32.")
+    # ---- distributions and layers (issue 24; trainer/audit_probes.py) ----
+    vocab_top_k: int = _f(20, "Engine prompt logprobs per position for the TV/KL of whole distributions: -1 the "
+                          "whole vocabulary (exact), k > 0 the top k + a rest bucket (lower bounds), 0 off.")
+    layer_sequences: int = _f(4, "Sequences run through the trainer and a transformers forward for the per-layer "
+                              "hidden-state differences; 0: off.")
 
     def __post_init__(self) -> None:
         _at_least("audit.num_prompts", self.num_prompts, 1)
         _at_least("audit.worst_sequences", self.worst_sequences, 0)
+        _at_least("audit.vocab_top_k", self.vocab_top_k, -1)
+        _at_least("audit.layer_sequences", self.layer_sequences, 0)
         for i, dtype in enumerate(self.engine_dtypes):
             if dtype not in ROLLOUT_DTYPES:
                 _fail(f"audit.engine_dtypes[{i}]", dtype, f"allowed: {list(ROLLOUT_DTYPES)}")
