@@ -62,7 +62,8 @@ def audit(family: str, args: argparse.Namespace, out: Path) -> list[dict[str, An
         print(f"[bench_floors] {family}: reusing {report}", file=sys.stderr, flush=True)
         return list(json.loads(report.read_text()))
     model = ["model=tiny_llama"] if family == "dense" else [
-        f"model.source={moe_checkpoint(out)}", "rollout.routing_replay=r3", "task.use_chat_template=false"]
+        f"model.source={moe_checkpoint(out)}", "rollout.routing_replay=r3", "task.use_chat_template=false",
+        "rollout.max_model_len=256"]
     overrides = [*model, f"audit.engine_dtypes=[{args.engine_dtypes}]", f"audit.trainer_dtypes=[{args.trainer_dtypes}]",
                  f"audit.num_prompts={args.num_prompts}", "rollout.num_samples_per_prompt=4",
                  f"rollout.max_new_tokens={args.max_new_tokens}", "audit.vocab_top_k=-1", "audit.layer_sequences=0",

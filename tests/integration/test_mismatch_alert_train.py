@@ -55,9 +55,9 @@ def test_alarm_quiet_on_a_healthy_run_and_stops_a_stale_one(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(out)
     assert len(rows) == 3
-    assert all(row["alert/mismatch"] == 0.0 for row in rows)
-    assert all(0 <= row["rollout_corr/k3_kl"] < 1e-8 for row in rows)  # bypass mode reports the mismatch too
-    assert "mismatch alert" not in proc.stderr
+    assert all(row["alert/mismatch"] == 0.0 for row in rows), rows
+    assert all(0 <= row["rollout_corr/k3_kl"] < 1e-8 for row in rows), rows  # bypass mode reports it too
+    assert "mismatch alert" not in proc.stderr, proc.stderr[-4000:]
     healthy = mlflow_run(uri, "healthy")
     assert healthy.info.status == "FINISHED"  # type: ignore[attr-defined]
     assert "nrc.mismatch_alert" not in healthy.data.tags  # type: ignore[attr-defined]
@@ -66,15 +66,16 @@ def test_alarm_quiet_on_a_healthy_run_and_stops_a_stale_one(tmp_path: Path) -> N
                                              "rollout_correction.alert.strict=true"], lost_sync=True)
     assert proc.returncode == 1, proc.stderr[-4000:]
     rows = read_metrics(out)
-    assert [row["alert/mismatch"] for row in rows] == [0.0, rows[1]["alert/mismatch"]]  # stopped after step 2
+    tail = proc.stderr[-4000:]
+    assert [row["alert/mismatch"] for row in rows] == [0.0, rows[1]["alert/mismatch"]], tail  # stopped at step 2
     assert rows[1]["alert/mismatch"] >= 1 and rows[1]["rollout_corr/k3_kl"] > 100 * rows[0]["rollout_corr/k3_kl"]
-    assert "WARNING mismatch alert: step 2: " in proc.stderr
-    assert "x floor" in proc.stderr and "engine float32 / trainer float32 / dense" in proc.stderr
+    assert "WARNING mismatch alert: step 2: " in proc.stderr, tail
+    assert "x floor" in proc.stderr and "engine float32 / trainer float32 / dense" in proc.stderr, tail
     assert "failed at step 2: MismatchAlarmError: mismatch alarm (rollout_correction.alert.strict=true)" \
-        in proc.stderr
+        in proc.stderr, tail
     stale = mlflow_run(uri, "stale")
-    assert stale.info.status == "FAILED"  # type: ignore[attr-defined]
+    assert stale.info.status == "FAILED", stale  # type: ignore[attr-defined]
     tags = stale.data.tags  # type: ignore[attr-defined]
-    assert tags["nrc.mismatch_alert.first_step"] == "2" and tags["nrc.mismatch_alert"].startswith("step 2: ")
-    assert tags["nrc.error"].startswith("MismatchAlarmError: mismatch alarm")
+    assert tags["nrc.mismatch_alert.first_step"] == "2" and tags["nrc.mismatch_alert"].startswith("step 2: "), tags
+    assert tags["nrc.error"].startswith("MismatchAlarmError: mismatch alarm"), tags
     assert stale.data.metrics["alert/mismatch"] >= 1  # type: ignore[attr-defined]
