@@ -21,7 +21,7 @@ from default_lane import require
 require("megatron.core", "megatron")
 require("vllm", "cpu")
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_audit_reports_whole_distributions_first_token_and_layers(megatron_runtime: Any, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ require("mlflow", "mlflow")
 
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 HERE = Path(__file__).resolve().parent
 ALERT = ["rollout_correction.alert.factor_over_floor=100", "tracking.system_metrics=false",
