@@ -44,7 +44,7 @@ def test_audit_reports_whole_distributions_first_token_and_layers(megatron_runti
         assert "whole distributions on the fixed tokens (whole vocabulary, exact" in text
         assert "first response token (sampled)" in text and "where the two sides part" in text
 
-    assert fp32.vocab["tv_mean"] < 1e-5 and abs(fp32.vocab["kl_mean"]) < 1e-8, fp32.vocab
+    assert fp32.vocab["tv_mean"] < 1e-5 and abs(fp32.vocab["kl_mean"]) < 1e-6, fp32.vocab  # float32 rounding
     assert fp32.vocab["first_token_tv_mean"] < 1e-5
     assert fp32.first_token["max_abs_logprob_diff"] < 1e-4
     assert fp32.parting_layer is None and all(layer["rel_rms_diff"] < 1e-5 for layer in fp32.layers), fp32.layers
