@@ -49,6 +49,6 @@ def test_audit_reports_whole_distributions_first_token_and_layers(megatron_runti
     assert fp32.first_token["max_abs_logprob_diff"] < 1e-4
     assert fp32.parting_layer is None and all(layer["rel_rms_diff"] < 1e-5 for layer in fp32.layers), fp32.layers
 
-    assert bf16.vocab["tv_mean"] > 100 * fp32.vocab["tv_mean"] and bf16.vocab["kl_mean"] > 1e-6, bf16.vocab
+    assert bf16.vocab["tv_mean"] > 100 * fp32.vocab["tv_mean"] and bf16.vocab["kl_mean"] > 1e-7, bf16.vocab
     assert bf16.vocab["tv_max"] >= bf16.vocab["tv_mean"] and bf16.vocab["rest_mass_mean"] < 1e-3
     assert bf16.parting_layer == "embedding", bf16.layers
