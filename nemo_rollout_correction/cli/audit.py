@@ -1,9 +1,10 @@
 """`nrc audit [key=value ...]`: the mismatch report of a model + vLLM engine + dtype (see docs/audit.md).
 
 Uses the same configuration as `nrc train` (model, rollout engine and sampling, task prompts, policy
-dtype and parallelism, the `audit:` section). With no arguments it audits the embedded default model
-(SmolLM2-135M-Instruct) on the default task. The report is printed; it is also logged to MLflow when
-`tracking.tracking_uri` is set, and written as JSON with `--json PATH`.
+dtype and parallelism, the `audit:` section; `audit.vocab_top_k` and `audit.layer_sequences` size the
+whole-distribution and per-layer probes of trainer/audit_probes.py). With no arguments it audits the
+embedded default model (SmolLM2-135M-Instruct) on the default task. The report is printed; it is also logged
+to MLflow when `tracking.tracking_uri` is set, and written as JSON with `--json PATH`.
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     parser = sub.add_parser("audit", help="measure the vLLM/trainer mismatch of a model, engine and dtype",
                             description="Generate with vLLM as training would, re-score with the Megatron policy and "
                                         "print the mismatch report (kl, k3_kl, chi2, ppl ratio, weight quantiles, "
-                                        "what each preset would truncate or reject, worst sequences). Takes the "
+                                        "what each preset would truncate or reject, worst sequences; TV and KL of "
+                                        "whole next-token distributions on the fixed tokens, the first response "
+                                        "token alone, per-layer trainer vs transformers differences). Takes the "
                                         "same key=value overrides as `nrc train`, e.g. rollout.dtype=bfloat16 "
                                         "audit.compare_dtypes=true model.source=/path/to/hf_checkpoint.")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")

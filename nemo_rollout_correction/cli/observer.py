@@ -70,6 +70,10 @@ class MlflowObserver:
         """Log an evaluation made outside a step (before training: step 0)."""
         self.tracker.log_metrics(metrics, step=step)
 
+    def on_alert(self, step: int, tags: dict[str, str]) -> None:
+        """Tag the run with the mismatch alarm's message (the latest firing step), first step and count."""
+        self.tracker.set_tags(tags)
+
     def checkpoint_state(self) -> dict[str, Any]:
         """The MLflow run id (a resumed run continues it) and the reward curve so far."""
         return {"mlflow_run_id": self.tracker.run_id, "reward_steps": self.reward_steps,

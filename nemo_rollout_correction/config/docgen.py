@@ -135,15 +135,25 @@ def render() -> str:
         first = doc.split("\n\n")[0].replace("\n", " ")
         if first and section.name != "rollout_correction":
             lines += [first, ""]
-        attr_docs = _attribute_docs(cls) if section.name == "rollout_correction" else {}
+        attr_docs: dict[str, str] = {}
+        if section.name == "rollout_correction":  # core's class and the section's subclass (`alert`)
+            for base in reversed([c for c in cls.__mro__ if hasattr(c, "__dataclass_fields__")]):
+                attr_docs.update(_attribute_docs(base))
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             if not f.init:
                 continue
             help_text = f.metadata.get("help") or attr_docs.get(f.name, "")
-            tp = type_name(field_type(cls, f.name))
+            tp = field_type(cls, f.name)
             value = defaults[section.name][f.name]
-            cells = [f"`{section.name}.{f.name}`", f"`{_cell(tp)}`", _cell(_default(value)), _cell(help_text)]
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a sub-section (`alert`): a row per key
+                for sub in dataclasses.fields(tp):
+                    cells = [f"`{section.name}.{f.name}.{sub.name}`", f"`{_cell(type_name(field_type(tp, sub.name)))}`",
+                             _cell(_default(value[sub.name])), _cell(sub.metadata.get("help", ""))]
+                    lines.append(f"| {' | '.join(cells)} |")
+                continue
+            cells = [f"`{section.name}.{f.name}`", f"`{_cell(type_name(tp))}`", _cell(_default(value)),
+                     _cell(help_text)]
             lines.append(f"| {' | '.join(cells)} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

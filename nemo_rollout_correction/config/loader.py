@@ -87,10 +87,17 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
 def to_flat_dict(cfg: TrainConfig) -> dict[str, Any]:
     """`cfg` as {dotted key: value}, e.g. for MLflow params (lists become their YAML flow text)."""
     flat: dict[str, Any] = {}
-    for section, values in to_dict(cfg).items():
+
+    def add(prefix: str, values: dict[str, Any]) -> None:
         for key, value in values.items():
-            flat[f"{section}.{key}"] = yaml.safe_dump(value, default_flow_style=True).strip() \
-                if isinstance(value, list) else value
+            if isinstance(value, dict):  # a sub-section (`rollout_correction.alert`)
+                add(f"{prefix}{key}.", value)
+            else:
+                flat[f"{prefix}{key}"] = yaml.safe_dump(value, default_flow_style=True).strip() \
+                    if isinstance(value, list) else value
+
+    for section, values in to_dict(cfg).items():
+        add(f"{section}.", values)
     return flat
 
 

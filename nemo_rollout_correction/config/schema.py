@@ -6,7 +6,8 @@ own ranges in `__post_init__`; `TrainConfig.__post_init__` checks the rules that
 Errors are `ConfigError` (a `ValueError`) naming the dotted key, the bad value and what is allowed.
 
 The `rollout_correction` section is `core.config.RolloutCorrectionConfig` itself (same field
-names as verl and the preset YAML files), so there is one definition of those knobs, not two.
+names as verl and the preset YAML files), so there is one definition of those knobs, not two, plus the
+`alert` sub-section of the mismatch alarm (`config/mismatch_alert.py`).
 """
 
 # ruff: noqa: RUF009  (`_f` returns dataclasses.field(...); ruff cannot see that and flags Literal-typed defaults)
@@ -19,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from nemo_rollout_correction.config.mismatch_alert import RolloutCorrectionSection
 from nemo_rollout_correction.core.aggregation import LossAggMode
-from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.dapo import DapoConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
 from nemo_rollout_correction.models.optimizer import PolicyOptimizerConfig
@@ -466,10 +467,17 @@ class AuditConfig:
     trainer_dtypes: list[str] = _f([], "Trainer dtypes to compare on the same rollouts; empty: model.dtype.")
     lm_head_fp32: list[bool] = _f([], "policy.lm_head_fp32 values to compare under non-fp32 trainers; empty: "
                                   "policy.lm_head_fp32.")
+    # ---- distributions and layers (issue 24; trainer/audit_probes.py) ----
+    vocab_top_k: int = _f(20, "Engine prompt logprobs per position for the TV/KL of whole distributions: -1 the "
+                          "whole vocabulary (exact), k > 0 the top k + a rest bucket (lower bounds), 0 off.")
+    layer_sequences: int = _f(4, "Sequences run through the trainer and a transformers forward for the per-layer "
+                              "hidden-state differences; 0: off.")
 
     def __post_init__(self) -> None:
         _at_least("audit.num_prompts", self.num_prompts, 1)
         _at_least("audit.worst_sequences", self.worst_sequences, 0)
+        _at_least("audit.vocab_top_k", self.vocab_top_k, -1)
+        _at_least("audit.layer_sequences", self.layer_sequences, 0)
         for i, dtype in enumerate(self.engine_dtypes):
             if dtype not in ROLLOUT_DTYPES:
                 _fail(f"audit.engine_dtypes[{i}]", dtype, f"allowed: {list(ROLLOUT_DTYPES)}")
@@ -489,9 +497,10 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "vLLM engine and sampling."})
     task: TaskConfig = field(default_factory=TaskConfig, metadata={"help": "Prompts and rewards."})
     grpo: GRPOConfig = field(default_factory=GRPOConfig, metadata={"help": "The GRPO objective."})
-    rollout_correction: RolloutCorrectionConfig = field(
-        default_factory=lambda: RolloutCorrectionConfig.from_preset("token_tis"),
-        metadata={"help": "Rollout correction (IS / rejection / veto); a preset from conf/rollout_correction/."},
+    rollout_correction: RolloutCorrectionSection = field(
+        default_factory=lambda: RolloutCorrectionSection.from_preset("token_tis"),
+        metadata={"help": "Rollout correction (IS / rejection / veto); a preset from conf/rollout_correction/; "
+                          "`alert`: the mismatch alarm (docs/acceptable_mismatch.md)."},
     )
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "MLflow tracking."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})

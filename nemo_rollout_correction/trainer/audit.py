@@ -20,6 +20,7 @@ so a clean audit means the training run starts on-policy up to numerics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,8 +38,8 @@ from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_sta
 from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.trainer import audit_probes, routing_replay
 from nemo_rollout_correction.trainer import metric_names as mn
-from nemo_rollout_correction.trainer import routing_replay
 from nemo_rollout_correction.trainer.policy_update import shard_tokens
 from nemo_rollout_correction.trainer.scoring import score_microbatches, sequence_log_ratios
 from nemo_rollout_correction.trainer.settings import (
@@ -97,6 +98,19 @@ class AuditReport:
     routing: dict[str, float] = field(default_factory=dict)
     """With routing replay: `router_agreement` and the mismatch with replay (`max_abs_logprob_diff`,
     `mean_abs_logprob_diff`, `kl`, `k3_kl`); the report's other fields are without replay."""
+    vocab: dict[str, float] = field(default_factory=dict)
+    """Whole distributions on the fixed tokens (trainer/audit_probes.py): `top_k`, `num_positions`, `tv_mean`,
+    `tv_max`, `kl_mean`, `kl_max` (KL(engine || trainer)), `first_token_tv_mean`, `first_token_kl_mean`,
+    `rest_mass_mean`; empty when off or skipped (`notes` says why)."""
+    first_token: dict[str, float] = field(default_factory=dict)
+    """The sampled-token mismatch of the first response token alone: `max_abs_logprob_diff`,
+    `mean_abs_logprob_diff`, `k3_kl`."""
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    """Per point of the network (`embedding`, `layer_<i>`, `final_norm`): `name`, `max_abs_diff`, `rel_rms_diff`
+    between the trainer and a transformers forward in the engine's dtype."""
+    parting_layer: str | None = None
+    """The first point whose relative RMS difference exceeds 1e-4 (None: the two agree throughout)."""
+    notes: list[str] = field(default_factory=list)
 
     @property
     def setting(self) -> str:
@@ -117,6 +131,11 @@ class AuditReport:
         for name, values in self.presets.items():
             out.update({f"audit_preset/{name}/{k}": v for k, v in values.items()})
         out.update({f"audit_r3/{k}": v for k, v in self.routing.items()})
+        out.update({f"audit_vocab/{k}": float(v) for k, v in self.vocab.items()})
+        out.update({f"audit_first_token/{k}": v for k, v in self.first_token.items()})
+        for layer in self.layers:
+            out[f"audit_layers/{layer['name']}/max_abs_diff"] = layer["max_abs_diff"]
+            out[f"audit_layers/{layer['name']}/rel_rms_diff"] = layer["rel_rms_diff"]
         return out
 
 
@@ -301,6 +320,7 @@ def format_report(report: AuditReport) -> str:
                   f"{report.mean_abs_logprob_diff:>11.3e} {k3:>11.3e}",
                   f"  {'with replay':<16} {r['max_abs_logprob_diff']:>11.3e} {r['mean_abs_logprob_diff']:>11.3e} "
                   f"{r['k3_kl']:>11.3e}"]
+    lines += _probe_lines(report)
     lines += ["", f"{'preset':<28} {'truncated':>10} {'rejected':>10} {'veto':>8} {'kept':>8} {'seq drop':>9}"]
     for name, v in report.presets.items():
         lines.append(
@@ -316,6 +336,34 @@ def format_report(report: AuditReport) -> str:
         )
     lines += ["", "timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())]
     return "\n".join(lines)
+
+
+def _probe_lines(report: AuditReport) -> list[str]:
+    """The report's distribution, first-token and per-layer sections (trainer/audit_probes.py)."""
+    lines: list[str] = []
+    v = report.vocab
+    if v:
+        support = ("whole vocabulary, exact" if v["top_k"] < 0
+                   else f"engine top-{int(v['top_k'])} + sampled token + rest bucket: lower bounds")
+        lines += ["", f"whole distributions on the fixed tokens ({support}; raw model distributions, T=1; "
+                      f"{int(v['num_positions'])} response positions):",
+                  f"  {'':<20} {'TV':>11} {'KL(eng||tr)':>11}",
+                  f"  {'mean':<20} {v['tv_mean']:>11.3e} {v['kl_mean']:>11.3e}",
+                  f"  {'max':<20} {v['tv_max']:>11.3e} {v['kl_max']:>11.3e}",
+                  f"  {'first token, mean':<20} {v['first_token_tv_mean']:>11.3e} {v['first_token_kl_mean']:>11.3e}"]
+        if v["top_k"] >= 0:
+            lines.append(f"  engine mass outside the listed tokens: {v['rest_mass_mean']:.3e} (mean)")
+    f = report.first_token
+    if f:
+        lines += ["", f"first response token (sampled): max |diff| {f['max_abs_logprob_diff']:.3e}, mean "
+                      f"{f['mean_abs_logprob_diff']:.3e}, k3_kl {f['k3_kl']:.3e}"]
+    if report.layers:
+        lines += ["", f"trainer vs transformers ({report.rollout_dtype}) activations, per layer "
+                      f"(where the two sides part: {report.parting_layer or 'nowhere above 1e-4'}):",
+                  f"  {'point':<14} {'max |diff|':>11} {'rel RMS':>11}"]
+        lines += [f"  {r['name']:<14} {r['max_abs_diff']:>11.3e} {r['rel_rms_diff']:>11.3e}" for r in report.layers]
+    lines += [f"note: {n}" for n in report.notes]
+    return lines
 
 
 COMPARISON_METRICS = (mn.RC_KL, mn.RC_K3_KL)
@@ -392,16 +440,31 @@ def run_audit(
         if head:
             policy.use_fp32_lm_head()
         policies[(dtype, head)] = (policy, time.perf_counter() - start)
+    # The probes beyond the sampled tokens (trainer/audit_probes.py) need the whole model in one process.
+    single = runtime.world_size == 1
+    probe_notes = [] if single else [f"distribution and per-layer probes skipped: they need a one-process audit "
+                                     f"(this one has {runtime.world_size} ranks)"]
+    top_k = cfg.audit.vocab_top_k
     reports = []
     for engine_dtype in engine_dtypes:
         engine = None
         engine_seconds: dict[str, float] = {}
+        engine_dists = None
         if runtime.is_main:
             log(f"[nrc audit] starting vLLM ({engine_dtype}) on {hf_dir}")
-            engine = VllmRolloutEngine(engine_options(cfg, str(hf_dir), engine_dtype))
+            options = engine_options(cfg, str(hf_dir), engine_dtype)
+            if single and top_k != 0:  # vLLM caps logprobs per position at max_logprobs (default 20)
+                options = dataclasses.replace(options, extra={**options.extra,
+                                                              "max_logprobs": -1 if top_k < 0 else max(top_k, 20)})
+            engine = VllmRolloutEngine(options)
             engine_seconds["engine_start"] = engine.start_seconds
         try:
             batch = generate(engine, prompts, sampling_options(cfg), seed=cfg.run.seed)
+            if engine is not None and single and top_k != 0:
+                start = time.perf_counter()
+                engine_dists = audit_probes.engine_prompt_logprobs(
+                    engine, [s.prompt_token_ids + s.token_ids for s in batch.samples], top_k)
+                engine_seconds["engine_prompt_logprobs"] = time.perf_counter() - start
         finally:
             if engine is not None:
                 engine.shutdown()
@@ -425,8 +488,41 @@ def run_audit(
                                    micro_batch_size=cfg.policy.micro_batch_size, groups=runtime.groups,
                                    replay_routing=True)
                 report.routing = routing_report(policy, replayed, runtime.groups)
+            report.first_token = audit_probes.first_token_stats(data.old_logprobs, data.rollout_logprobs,
+                                                                data.loss_mask)
+            report.notes = list(probe_notes)
+            if single:
+                run_probes(report, policy, batch, engine_dists, hf_dir, cfg, pad_token_id=pad)
             reports.append(report)
     return reports
+
+
+def run_probes(report: AuditReport, policy: MegatronPolicy, batch: RolloutBatch,
+               engine_dists: list[list[audit_probes.EnginePosition]] | None, hf_dir: Any, cfg: TrainConfig, *,
+               pad_token_id: int) -> None:
+    """Fill `report.vocab`, `report.layers` and `report.parting_layer` (one-process audits only)."""
+    routing_replay.begin_step(policy)  # the probes run the policy with its own routers
+    sequences = [s.prompt_token_ids + s.token_ids for s in batch.samples]
+    if engine_dists is not None:
+        start = time.perf_counter()
+        vocab = audit_probes.trainer_vocab_divergence(
+            policy, sequences, engine_dists, [len(s.prompt_token_ids) for s in batch.samples],
+            top_k=cfg.audit.vocab_top_k, vocab_size=policy.arch.vocab_size, pad_token_id=pad_token_id,
+            micro_batch_size=cfg.policy.micro_batch_size)
+        report.vocab = {k: float(v) for k, v in dataclasses.asdict(vocab).items() if not isinstance(v, dict)}
+        report.seconds["vocab_probe"] = time.perf_counter() - start
+    n = min(cfg.audit.layer_sequences, len(sequences))
+    if n > 0:
+        start = time.perf_counter()
+        rows = sequences[:n]
+        ids = torch.full((n, max(len(r) for r in rows)), pad_token_id, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+        layers = audit_probes.layer_differences(policy, hf_dir, ids, [len(r) for r in rows],
+                                                hf_dtype=report.rollout_dtype)
+        report.layers = [dataclasses.asdict(layer) for layer in layers]
+        report.parting_layer = audit_probes.parting_layer(layers)
+        report.seconds["layer_probe"] = time.perf_counter() - start
 
 
 def routing_report(policy: MegatronPolicy, replayed: AuditData, groups: ParallelGroups) -> dict[str, float]:
@@ -460,5 +556,6 @@ __all__ = [
     "rescore",
     "routing_report",
     "run_audit",
+    "run_probes",
     "worst_sequences",
 ]

@@ -75,6 +75,7 @@ from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import apply_overlong_filter
 from nemo_rollout_correction.trainer.fleet import CollectedRollouts, RolloutFleet
 from nemo_rollout_correction.trainer.gpu_paths import check_gpu_paths
+from nemo_rollout_correction.trainer.mismatch_alert import MismatchAlarm
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
 from nemo_rollout_correction.trainer.policy_update import Microbatch, PolicyUpdate, Update
 from nemo_rollout_correction.trainer.resume_check import check_resume
@@ -146,7 +147,8 @@ class GrpoTrainer:
                                   tokenize=self.prompt_token_ids, log=self.log)
         self.report = StepReport(self.groups, self.observer, self.output_dir / "metrics.jsonl",
                                  is_main=runtime.is_main, ppo_epochs=cfg.grpo.ppo_epochs,
-                                 num_engines=self.fleet.num_engines)
+                                 num_engines=self.fleet.num_engines,
+                                 alarm=MismatchAlarm.from_run(cfg, moe=self.policy.arch.is_moe, log=self.log))
         self.step_index = 0
         # checkpoint.async_save: Megatron's queue of background saves (trainer/checkpoint.py)
         self.async_checkpoints = ckpt.new_async_queue() if cfg.checkpoint.async_save else None

@@ -56,6 +56,9 @@ RC_IS_SEQ_FRACTION_HIGH = "rollout_corr/rollout_is_seq_fraction_high"
 RC_IS_SEQ_FRACTION_LOW = "rollout_corr/rollout_is_seq_fraction_low"
 RC_RS_MASKED_FRACTION = "rollout_corr/rollout_rs_masked_fraction"
 RC_VETO_FRACTION = "rollout_corr/veto_fraction"
+RC_TOKEN_LOG_RATIO_MAX = "rollout_corr/token_log_ratio_max"
+RC_TOKEN_LOG_RATIO_MIN = "rollout_corr/token_log_ratio_min"
+ALERT_MISMATCH = "alert/mismatch"  # trainer/mismatch_alert.py
 
 # -- evaluation (trainer/evaluation.py) ------------------------------------------------------------------------
 EVAL_REWARD_MEAN = "eval/reward_mean"

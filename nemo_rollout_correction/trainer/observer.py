@@ -61,6 +61,9 @@ class TrainObserver(Protocol):
         """`eval/*` metrics of an evaluation outside a step (before training: step 0); in-step ones come
         with `on_step`."""
 
+    def on_alert(self, step: int, tags: dict[str, str]) -> None:
+        """The mismatch alarm fired at step `step` (trainer/mismatch_alert.py): run tags naming what fired."""
+
     def checkpoint_state(self) -> dict[str, Any]:
         """State to store in checkpoints so a resumed run continues the same record (e.g. the MLflow run id)."""
 
@@ -83,6 +86,9 @@ class NullObserver:
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Drop the metrics."""
+
+    def on_alert(self, step: int, tags: dict[str, str]) -> None:
+        """Drop the tags."""
 
     def checkpoint_state(self) -> dict[str, Any]:
         """No state."""

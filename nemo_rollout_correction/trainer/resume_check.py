@@ -30,6 +30,7 @@ CHANGEABLE: tuple[str, ...] = (
     "run.output_dir",
     "run.name",
     "checkpoint.",
+    "rollout_correction.alert.",  # the alarm watches the run; it changes nothing that is trained
     "tracking.",
     "launcher.",
     "audit.",

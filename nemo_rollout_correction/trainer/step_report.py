@@ -27,6 +27,7 @@ from nemo_rollout_correction.rollout.multi_turn import multi_turn_counts
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
 from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.data import PromptRecord
+from nemo_rollout_correction.trainer.mismatch_alert import MismatchAlarm
 from nemo_rollout_correction.trainer.observer import StepReview, TrainObserver
 from nemo_rollout_correction.trainer.policy_update import Microbatch, Scored, Update
 from nemo_rollout_correction.trainer.scoring import sequence_log_ratios
@@ -67,12 +68,13 @@ class StepReport:
         metrics_path: `<run.output_dir>/metrics.jsonl`, written by the logging rank (`is_main`).
         ppo_epochs: `grpo.ppo_epochs` (a clip fraction per epoch when > 1).
         num_engines: the fleet's engines (`rollout/num_engines`).
+        alarm: the mismatch alarm (`rollout_correction.alert`, trainer/mismatch_alert.py); None: off.
     """
 
     def __init__(self, groups: ParallelGroups, observer: TrainObserver, metrics_path: Path, *, is_main: bool,
-                 ppo_epochs: int, num_engines: int) -> None:
+                 ppo_epochs: int, num_engines: int, alarm: MismatchAlarm | None = None) -> None:
         self.groups, self.observer, self.metrics_path, self.is_main = groups, observer, metrics_path, is_main
-        self.ppo_epochs, self.num_engines = ppo_epochs, num_engines
+        self.ppo_epochs, self.num_engines, self.alarm = ppo_epochs, num_engines, alarm
 
     # ---- metrics ------------------------------------------------------------------------------------------
 
@@ -238,8 +240,13 @@ class StepReport:
                 handle.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def publish(self, step: int, metrics: dict[str, float], review: StepReview | None) -> None:
-        """Report step `step` (1-based): `metrics.jsonl`, then the observer (with the review on its review steps)."""
+        """Report step `step` (1-based): the mismatch alarm, `metrics.jsonl`, then the observer (with the review on
+        its review steps); collective when the alarm is strict."""
         if not self.observer.wants_review(step):
             review = None
+        if self.alarm is not None:  # warns, tags the run and adds `alert/mismatch` before the metrics are written
+            self.alarm.check_step(step, metrics, self.observer)
         self.write(step, metrics)
         self.observer.on_step(step, metrics, review)
+        if self.alarm is not None:  # alert.strict: every rank stops here, the step's record complete
+            self.alarm.stop_if_strict(step)

@@ -22,6 +22,7 @@ from nemo_rollout_correction.config import (
     to_yaml,
 )
 from nemo_rollout_correction.config.convert import dotted_keys
+from nemo_rollout_correction.config.mismatch_alert import RolloutCorrectionSection
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -266,7 +267,7 @@ def test_config_show_prints_the_resolved_yaml() -> None:
     text = config_show(["run.name=geo", "rollout_correction=geo_rs"])
     data = yaml.safe_load(text)
     assert data["run"]["output_dir"] == "runs/geo"
-    assert data["rollout_correction"] == RolloutCorrectionConfig.from_preset("geo_rs").to_dict()
+    assert data["rollout_correction"] == RolloutCorrectionSection.from_preset("geo_rs").to_dict()  # + `alert`
 
 
 # ---- user config directory -------------------------------------------------------------------

@@ -91,7 +91,9 @@ def test_every_field_has_help() -> None:
     for section in dataclasses.fields(TrainConfig):
         assert section.metadata.get("help"), section.name
         cls = typing.get_type_hints(TrainConfig)[section.name]
-        if cls is RolloutCorrectionConfig:
+        if issubclass(cls, RolloutCorrectionConfig):  # + `alert`, a sub-section with help on every key
+            for f in dataclasses.fields(typing.get_type_hints(cls)["alert"]):
+                assert f.metadata.get("help", "").strip(), f"{section.name}.alert.{f.name} has no help"
             continue  # core's class documents each field with an attribute docstring (see docgen)
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help", "").strip(), f"{section.name}.{f.name} has no help"

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PAGES = [p for p in PAGES if p.name != "configuration.md"]
 KEYS = set(to_flat_dict(TrainConfig()))
+KEYS |= {k.rsplit(".", 1)[0] for k in KEYS if k.count(".") >= 2}  # sub-sections (`rollout_correction.alert`)
 SECTIONS = {k.split(".", 1)[0] for k in KEYS}
 GROUPS = available_groups()
 # `nrc launch` has its own parser (launch/main.py); the rest are argparse subcommands of `nrc`.
