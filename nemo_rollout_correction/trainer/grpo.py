@@ -266,14 +266,7 @@ class GrpoTrainer:
                         self.fleet.sync_weights(self.policy, self.step_index)
                 return self._finish_step(collected, reward_t, [], None, extra, timer)
             mini_batches = self.update.cut(tensors, advantages)
-            scored = self.update.score([mb for mini in mini_batches for mb in mini], self.step_index, timer.phase)
-            updates: list[Update] = []
-            for _epoch in range(self.cfg.grpo.ppo_epochs):
-                offset = 0
-                for microbatches in mini_batches:
-                    mine = scored[offset:offset + len(microbatches)]
-                    offset += len(microbatches)
-                    updates.append(self.update.update(microbatches, mine, len(updates), timer.phase))
+            scored, updates = self.update.run(mini_batches, self.step_index, timer.phase)
             review = self._review(batch, mini_batches, scored, updates, reward_t, rollouts.records)
             with timer.phase("refit"):
                 self.fleet.sync_weights(self.policy, self.step_index)
