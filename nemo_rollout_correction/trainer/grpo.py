@@ -11,7 +11,8 @@ One step (`GrpoTrainer.step`), on every rank of the job:
 4. mini-batches and data parallelism: the samples are cut into `grpo.num_mini_batches` contiguous
    mini-batches; each dp rank takes a contiguous slice of every mini-batch and cuts it into microbatches;
 5. decoupled mode: a no-grad pass re-scores the rollout tokens with the weights before the first update
-   (`old_logprobs`, with vLLM's temperature/top-k/top-p replayed); bypass mode skips it;
+   (`old_logprobs`, with vLLM's temperature/top-k/top-p replayed); bypass mode skips it, and so does the first
+   mini-batch, whose update's forward gives them (`grpo.reuse_first_forward_old_logprobs`, PP = 1);
 6. updates: `grpo.ppo_epochs` passes over the mini-batches, one optimizer update each:
    a. plan (`losses.step_plan.plan_step`): the mini-batch's corrections and loss denominators, ONE fused
       all-reduce over dp x cp (or none where the denominator comes after the pass);

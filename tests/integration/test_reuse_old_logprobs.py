@@ -7,7 +7,7 @@ layout is compared with itself (on against off), so a layout's own numerics neve
 
 - one process, the default single update over two microbatches (the plan needs both before either backward);
 - two mini-batches x two PPO epochs (the second mini-batch still gets the pass; the epochs reuse the first's);
-- torchrun DP=2 and CP=2 (the plan's reduction over dp x cp, CP token shards).
+- torchrun DP=2, CP=2 and TP=2 (the plan's reduction over dp x cp, CP token shards, vocab-parallel logprobs).
 
 The off run is the check that the switch matters: it reports `optim/old_logprobs_reused` 0 and spends time in
 `timing/old_logprob_s`.
@@ -99,6 +99,6 @@ def test_mini_batches_and_epochs_are_bit_identical(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dp2", "cp2"])
+@pytest.mark.parametrize("layout", ["dp2", "cp2", "tp2"])
 def test_two_rank_layouts_are_bit_identical(tmp_path: Path, layout: str) -> None:
     _assert_bit_identical(tmp_path, [*BASE, f"parallelism={layout}"], nproc=2)
