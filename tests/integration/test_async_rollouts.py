@@ -100,8 +100,9 @@ def test_max_staleness_0_is_the_recorded_synchronous_step(tmp_path: Path) -> Non
     assert len(steps) == len(REFERENCE["steps"]) == 3
     for got, want in zip(steps, REFERENCE["steps"], strict=True):
         assert not any(key in got for key in STALENESS_KEYS)
-        # the reference predates rollout.placement, whose one new deterministic metric is the engine count
-        assert deterministic(got) == {**want, "rollout/num_engines": 1.0}
+        # the reference predates rollout.placement, whose one new deterministic metric is the engine count, and
+        # the first forward as old logprobs (grpo.reuse_first_forward_old_logprobs, bit-identical), which says so
+        assert deterministic(got) == {**want, "rollout/num_engines": 1.0, "optim/old_logprobs_reused": 1.0}
 
 
 @pytest.mark.slow

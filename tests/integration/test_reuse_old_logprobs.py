@@ -30,7 +30,7 @@ require("vllm", "cpu")
 
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]  # two nrc train jobs per test
 
 NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
 BASE = [*TINY_FAST, "run.num_steps=2", "tracking.enabled=false", "tracking.system_metrics=false",

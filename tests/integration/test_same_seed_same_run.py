@@ -30,7 +30,7 @@ from nrc_cli import TINY_FAST, cli_env, read_metrics
 
 from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]  # two nrc train jobs per test
 
 PROMPTS = [[101, 102, 103, 104, 105, 106, 107, 108], [109, 110, 111, 112, 113, 114],
            [120, 121, 122, 123, 124, 125, 126, 127, 128, 129], [130, 131, 132]]
