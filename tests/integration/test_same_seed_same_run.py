@@ -6,8 +6,8 @@ other numbers for another batch, so a default run diverged from its twin at step
 `VllmRolloutEngine.generate` pauses the scheduler while it adds the requests (rollout/vllm_engine.py).
 
 - the engine (SmolLM2-135M in bfloat16, the default run's): requests added 0.3 s apart give exactly the samples
-  of requests added at once; vLLM's plain `generate` with the same staggered adds does not (the witness that the
-  arrival time mattered and the check can fail);
+  of requests added at once, where vLLM's plain `generate` with the same staggered adds does not (the witness
+  that the arrival time mattered; without it the test skips, as it could not fail);
 - `nrc train` twice with the same config: the same `metrics.jsonl` but for timings.
 """
 
@@ -73,8 +73,9 @@ def test_staggered_requests_give_the_samples_of_requests_added_at_once() -> None
             engine.llm.llm_engine.add_request = add
     finally:
         engine.shutdown()
+    if plain_staggered == together:  # measured: 1 sample in 16 changed; a run where none does shows nothing
+        pytest.skip("vLLM's plain generate with staggered adds gave the same samples this time: nothing to check")
     assert staggered == together
-    assert plain_staggered != together, "vLLM's plain generate matched: the staggered adds changed no batch"
 
 
 def _compared(row: dict[str, Any]) -> dict[str, Any]:
