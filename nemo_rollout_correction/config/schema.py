@@ -319,6 +319,10 @@ class GRPOConfig(DapoConfig):
     # Updates per rollout batch (verl's ppo_mini_batch_size / ppo_epochs).
     num_mini_batches: int = _f(1, "Optimizer updates per pass over a step's rollouts (each on an equal share).")
     ppo_epochs: int = _f(1, "Passes over a step's rollouts; old_logprobs stay those of the policy before the first.")
+    reuse_first_forward_old_logprobs: bool = _f(
+        True, "Decoupled mode (old_logprob_source=forward), PP = 1: the first update's forward gives its mini-batch's "
+        "old_logprobs (the same weights), so the old-logprob pass skips it; keeps every microbatch's graph of that "
+        "mini-batch until its backward. Bit-identical to false.")
     def __post_init__(self) -> None:
         _at_least("grpo.num_mini_batches", self.num_mini_batches, 1)
         _at_least("grpo.ppo_epochs", self.ppo_epochs, 1)

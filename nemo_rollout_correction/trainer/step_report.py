@@ -128,6 +128,7 @@ class StepReport:
             mn.OPTIM_LR: last.lr,
             mn.OPTIM_LOSS_SCALE: last.loss_scale,
             mn.OPTIM_SKIPPED_UPDATES: float(sum(u.applied.skipped for u in updates)),
+            mn.OPTIM_OLD_LOGPROBS_REUSED: float(updates[0].reused_old_logprobs),
             mn.PERF_TRAIN_TOKENS_PER_S: num_tokens / max(timings["train"], 1e-9),
         }
         for key in OBJECTIVE_SUMS:  # the configured objective's own (CISPO weight, rollout penalty), per loss token
