@@ -129,6 +129,9 @@ class RolloutSample:
     policy_version: int = 0
     """The trainer version (completed steps) of the weights that generated it; async rollouts set it
     (trainer/async_rollouts.py), the synchronous step leaves 0."""
+    token_versions: list[int] = field(default_factory=list)
+    """Partial rollouts (rollout/partial.py): the version that sampled each response token; empty otherwise
+    (every token then has `policy_version`)."""
 
 
 @dataclass
