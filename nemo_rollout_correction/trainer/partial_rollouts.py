@@ -154,7 +154,8 @@ class PartialRollouts:
             # a DAPO refill: whole responses under the current weights, with the refill attempt's seeds
             seed = request_seed(self.cfg.rollout_seed, step, attempt, self.target, n)
             batch = self._generate([self.tokenize(r) for r in prompts], n, self.cfg.rollout.max_new_tokens, seed)
-            batch = RolloutBatch([stamp_new(s, step) for s in batch.samples], n=n, seconds=batch.seconds)
+            batch = RolloutBatch([dataclasses.replace(stamp_new(s, step), text=self.detokenize(s.token_ids))
+                                  for s in batch.samples], n=n, seconds=batch.seconds)  # scored as the pool's are
             return batch, self._score(prompts, batch)
 
         rollouts = collect_step_rollouts(records, self.sampler, generate_and_score, self.dapo)

@@ -83,7 +83,8 @@ def main(out_json: str, overrides: list[str]) -> None:
             "max_abs_err_step_version_on_older_tokens": float(current_err.max()) if older.any() else 0.0,
             "num_older_tokens": int(older.sum()),
             "max_versions_in_one_response": int(max(len(set(s.token_versions)) for s in batch.samples)),
-            "texts_join": all(s.text == decode(s.token_ids, skip_special_tokens=True) for s in batch.samples),
+            "texts_join": [i for i, s in enumerate(batch.samples)
+                           if s.text != decode(s.token_ids, skip_special_tokens=True)] == [],
             "metrics": {k: v for k, v in history[step].items() if isinstance(v, float)},
         })
     Path(out_json).write_text(json.dumps(report, indent=1))
