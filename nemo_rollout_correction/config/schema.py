@@ -220,6 +220,10 @@ class RolloutConfig:
     stale_policy: StalePolicy = _f("wait", "A batch older than max_staleness versions (only after a resume that "
                                    "lowered it): wait regenerates its prompts with the current weights, drop "
                                    "discards its samples and generates fresh prompts.")
+    # ---- partial rollouts (issue 24; rollout/partial.py) ----
+    partial_max_tokens_per_step: int = _f(0, "Partial rollouts: at most this many new tokens per response per step; "
+                                          "unfinished responses carry over and continue under the next weights "
+                                          "(every token records its version). 0 turns it off; else < max_new_tokens.")
 
     # ---- recorded rollouts (issue 22; rollout/replay.py) ----
     source: str = _f("vllm", "Where rollouts come from: vllm (the engine), or replay:<dir>, the rollouts a run with "
@@ -256,6 +260,12 @@ class RolloutConfig:
         _at_least("rollout.num_samples_per_prompt", self.num_samples_per_prompt, 1)
         _at_least("rollout.max_turns", self.max_turns, 1)
         _positive("rollout.generate_timeout_s", self.generate_timeout_s)
+        if isinstance(self.partial_max_tokens_per_step, bool) or not isinstance(self.partial_max_tokens_per_step, int):
+            _fail("rollout.partial_max_tokens_per_step", self.partial_max_tokens_per_step, "must be an integer >= 0")
+        _at_least("rollout.partial_max_tokens_per_step", self.partial_max_tokens_per_step, 0)
+        if self.partial_max_tokens_per_step >= self.max_new_tokens:
+            _fail("rollout.partial_max_tokens_per_step", self.partial_max_tokens_per_step,
+                  f"must be < rollout.max_new_tokens ({self.max_new_tokens}) to split a response; 0 turns it off")
 
 
 @dataclass(frozen=True)
@@ -522,6 +532,8 @@ class TrainConfig:
             _fail("grpo.overlong_buffer_len", self.grpo.overlong_buffer_len,
                   "with grpo.overlong_penalty=true it must be <= rollout.max_new_tokens "
                   f"({self.rollout.max_new_tokens})")
+        if self.rollout.partial_max_tokens_per_step:
+            _check_partial_rollouts(self)
 
     # ---- rules that need the world size ------------------------------------------------------
 
@@ -578,3 +590,29 @@ class TrainConfig:
     def checkpoint_dir(self) -> str:
         """checkpoint.dir, or <run.output_dir>/checkpoints when it is null."""
         return self.checkpoint.dir if self.checkpoint.dir is not None else f"{self.run.output_dir}/checkpoints"
+
+
+def _check_partial_rollouts(cfg: TrainConfig) -> None:
+    """Refuse what partial rollouts cannot be made correct with (docs/rollout.md, "Partial rollouts")."""
+    key = f"rollout.partial_max_tokens_per_step={cfg.rollout.partial_max_tokens_per_step}"
+    if cfg.rollout.max_staleness:
+        raise ConfigError(f"{key} with rollout.max_staleness={cfg.rollout.max_staleness}: partial rollouts run in the "
+                          "synchronous step only (the async pipeline does not carry responses over yet); set "
+                          "rollout.max_staleness=0 or rollout.partial_max_tokens_per_step=0")
+    if cfg.rollout.routing_replay != "none":
+        raise ConfigError(f"{key} with rollout.routing_replay={cfg.rollout.routing_replay}: a continued response is "
+                          "re-prefilled under the new weights, so the captured routing of its earlier tokens would "
+                          "be the new version's, not the one that sampled them; set rollout.routing_replay=none")
+    if cfg.rollout.source != "vllm" or cfg.rollout.record_dir:
+        raise ConfigError(f"{key} with rollout.source={cfg.rollout.source}, rollout.record_dir={cfg.rollout.record_dir}"
+                          ": recorded rollouts replay whole engine calls, not continued responses; use "
+                          "rollout.source=vllm and rollout.record_dir=null")
+    rc = cfg.rollout_correction
+    updates = cfg.grpo.num_mini_batches * cfg.grpo.ppo_epochs
+    if rc.old_logprob_source == "loglinear" and updates > 1:
+        raise ConfigError(
+            f"{key} with rollout_correction.old_logprob_source=loglinear and grpo.num_mini_batches x grpo.ppo_epochs "
+            f"= {updates} updates per step: after the first update the interpolation weight depends on the version "
+            "that sampled each token, and the step's loglinear pi_old uses one version per row; use one update per "
+            "step (alpha = 1: pi_old is the loss pass's logprobs, exact for any versions) or "
+            "old_logprob_source=forward")

@@ -132,6 +132,9 @@ class RolloutSample:
     turn_ids: list[int] | None = None
     """Multi-turn (rollout/multi_turn.py): per response token, the turn index of a sampled token or -1 for an
     observation token (out of the loss); None for a single-turn sample (every response token is turn 0)."""
+    token_versions: list[int] = field(default_factory=list)
+    """Partial rollouts (rollout/partial.py): the version that sampled each response token; empty otherwise
+    (every token then has `policy_version`)."""
 
 
 @dataclass

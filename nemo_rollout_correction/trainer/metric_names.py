@@ -44,6 +44,14 @@ PERF_TRAIN_TOKENS_PER_S = "perf/train_tokens_per_s"
 LOGLINEAR_ABS_ERROR_MEAN = "rollout_corr/loglinear_abs_error_mean"
 LOGLINEAR_RMSE = "rollout_corr/loglinear_rmse"
 
+# -- partial rollouts (rollout.partial_max_tokens_per_step; rollout/partial.py, trainer/partial_rollouts.py) ----
+ROLLOUT_MIXED_VERSION_FRACTION = "rollout/mixed_version_fraction"
+ROLLOUT_TOKEN_STALENESS_MEAN = "rollout/token_staleness_mean"
+ROLLOUT_TOKEN_STALENESS_MAX = "rollout/token_staleness_max"
+ROLLOUT_CARRIED_OVER_FRACTION = "rollout/carried_over_fraction"
+ROLLOUT_PARTIAL_FORCED_FRACTION = "rollout/partial_forced_fraction"
+ROLLOUT_PARTIAL_POOL_GROUPS = "rollout/partial_pool_groups"
+
 # -- rollout correction (core/metrics.py writes them without the prefix; docs/metrics.md) ----------------------
 RC_KL = "rollout_corr/kl"
 RC_K3_KL = "rollout_corr/k3_kl"

@@ -165,6 +165,9 @@ def test_multi_turn_refuses_what_it_does_not_support(tmp_path: Path) -> None:
         check_multi_turn_supported(load_config(["task=calculator", "grpo.overlong_penalty=true"], tmp_path))
     with pytest.raises(ValueError, match=r"rollout\.routing_replay=r3 is not supported"):
         check_multi_turn_supported(load_config(["task=calculator", "rollout.routing_replay=r3"], tmp_path))
+    with pytest.raises(ValueError, match=r"set rollout\.partial_max_tokens_per_step=0"):
+        check_multi_turn_supported(load_config(["task=calculator", "rollout.partial_max_tokens_per_step=4"],
+                                               tmp_path))
 
 
 def test_retokenization_drift_counts_unmatched_ids() -> None:

