@@ -62,26 +62,30 @@ def _changeable(key: str, has_optimizer: bool) -> bool:
 _MISSING = "<absent>"
 
 
-def incompatible_keys(saved: Mapping[str, Any], current: Mapping[str, Any], *,
-                      has_optimizer: bool = True) -> dict[str, tuple[Any, Any]]:
+def incompatible_keys(saved: Mapping[str, Any], current: Mapping[str, Any], *, has_optimizer: bool = True,
+                      defaults: Mapping[str, Any] | None = None) -> dict[str, tuple[Any, Any]]:
     """Keys whose values differ and may not, as `{key: (checkpoint value, current value)}`, sorted by key.
 
     Both configs are nested dicts (`config.loader.to_dict`, redacted the same way). A key present in one
-    only counts as a difference (`"<absent>"` stands for the missing side).
+    only counts as a difference (`"<absent>"` stands for the missing side), except that a key the checkpoint
+    lacks but `defaults` (the schema's defaults, same shape) has is read at its default: a key added after
+    the checkpoint was written defaults to the behaviour of the code that wrote it, so upgrading the package
+    does not make every older checkpoint refuse to resume.
     """
     old, new = dict(flatten(saved)), dict(flatten(current))
+    default = dict(flatten(defaults)) if defaults is not None else {}
     differing = {}
     for key in sorted(old.keys() | new.keys()):
-        before, after = old.get(key, _MISSING), new.get(key, _MISSING)
+        before, after = old.get(key, default.get(key, _MISSING)), new.get(key, _MISSING)
         if before != after and not _changeable(key, has_optimizer):
             differing[key] = (before, after)
     return differing
 
 
 def check_resume(step_dir: str, saved: Mapping[str, Any], current: Mapping[str, Any], *,
-                 has_optimizer: bool = True) -> None:
+                 has_optimizer: bool = True, defaults: Mapping[str, Any] | None = None) -> None:
     """Raise one ValueError naming every incompatible key (see `incompatible_keys`); return when compatible."""
-    differing = incompatible_keys(saved, current, has_optimizer=has_optimizer)
+    differing = incompatible_keys(saved, current, has_optimizer=has_optimizer, defaults=defaults)
     if not differing:
         return
     listed = "; ".join(f"{key}: checkpoint {before!r}, now {after!r}" for key, (before, after) in differing.items())
@@ -103,7 +107,7 @@ def check_config_resumes(cfg: Any) -> None:
     """
     from pathlib import Path
 
-    from nemo_rollout_correction.config.loader import to_dict
+    from nemo_rollout_correction.config.loader import defaults_dict, to_dict
     from nemo_rollout_correction.config.redaction import redact_tree
     from nemo_rollout_correction.trainer import checkpoint as ckpt
 
@@ -114,7 +118,7 @@ def check_config_resumes(cfg: Any) -> None:
         return
     meta = ckpt.load_meta(step_dir)
     check_resume(str(step_dir), meta.get("config", {}), redact_tree(to_dict(cfg)),
-                 has_optimizer=bool(meta.get("has_optimizer", True)))
+                 has_optimizer=bool(meta.get("has_optimizer", True)), defaults=redact_tree(defaults_dict()))
 
 
 __all__ = ["CHANGEABLE", "OPTIMIZER_LAYOUT_KEY", "check_config_resumes", "check_resume", "flatten",

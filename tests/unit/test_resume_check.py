@@ -58,3 +58,15 @@ def test_a_key_missing_on_one_side_counts() -> None:
     saved = _cfg()
     now = {**saved, "grpo": {**saved["grpo"], "new_knob": 1}}  # type: ignore[dict-item]
     assert incompatible_keys(saved, now) == {"grpo.new_knob": ("<absent>", 1)}
+
+
+def test_a_key_newer_than_the_checkpoint_reads_as_its_default() -> None:
+    """A checkpoint written before `grpo.new_knob` existed resumes while the knob keeps its default, and refuses
+    (naming it) when the resuming run sets another value."""
+    now = _cfg()
+    saved = {**now, "grpo": {k: v for k, v in now["grpo"].items() if k != "num_mini_batches"}}  # type: ignore[attr-defined]
+    defaults = _cfg()
+    assert incompatible_keys(saved, now) == {"grpo.num_mini_batches": ("<absent>", 1)}
+    assert incompatible_keys(saved, now, defaults=defaults) == {}
+    changed = _cfg("grpo.num_mini_batches=2", "policy.micro_batch_size=4")
+    assert incompatible_keys(saved, changed, defaults=defaults)["grpo.num_mini_batches"] == (1, 2)
