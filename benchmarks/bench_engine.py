@@ -12,6 +12,12 @@ Settings (`--settings`, comma list):
   inproc   the same engine in this process (`EngineOptions.in_process`: VLLM_ENABLE_V1_MULTIPROCESSING=0, as
            TRL's colocated mode runs it)
   noseed   like mp, but requests without a per-request seed (vLLM then samples the batch with one generator)
+  reload   like mp, but the refit always takes vLLM's layer-wise `reload_weights` (`direct_refit=False`), the
+           path before `rollout/direct_load.py`
+The refit is split into the trainer's side (cast and copy into the shared buffer), the engine's side (RPC, the
+workers' load, the prefix-cache reset) and the workers' own seconds (`VllmRolloutEngine.last_refit_phases`).
+
+    python benchmarks/bench_engine.py --settings mp,reload --reps 0 --refits 5   # refit only
 Generation uses `ignore_eos` so every call makes exactly prompts x n x max_tokens tokens.
 """
 
@@ -33,6 +39,7 @@ SETTINGS = {
     "mp": {},
     "inproc": {},
     "noseed": {},
+    "reload": {},
 }
 
 
@@ -47,13 +54,14 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=True) for q in QUESTIONS[: args.prompts]]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
-    extra = {"in_process": True} if args.setting == "inproc" else {}
+    extra: dict[str, Any] = ({"in_process": True} if args.setting == "inproc"
+                             else {"direct_refit": False} if args.setting == "reload" else {})
     engine = VllmRolloutEngine(EngineOptions(model_dir=args.model, dtype=args.dtype, max_model_len=512, seed=0,
                                              **extra))
     sampling = SamplingOptions(n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
     seeded = args.setting != "noseed"
     out: dict[str, Any] = {"setting": args.setting, "start_s": engine.start_seconds, "gen_tok_s": [],
-                           "refit_s": [], "verify_s": []}
+                           "refit_s": [], "verify_s": [], "write_s": [], "load_s": [], "worker_s": [], "path": ""}
     try:
         engine.generate(prompts, sampling, seed=1 if seeded else None)  # warm-up
         for rep in range(args.reps):
@@ -69,7 +77,13 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
                 out["refit_s"].append(engine.refit_seconds[-1])
                 verify = getattr(engine, "verify_seconds", [])  # absent before issue 27 (--code-path of an old tree)
                 out["verify_s"].append(verify[-1] if verify else float("nan"))
-            out["refit_s"], out["verify_s"] = out["refit_s"][1:], out["verify_s"][1:]
+                phases = getattr(engine, "last_refit_phases", {})  # absent before the direct path
+                for key in ("write", "load", "worker"):
+                    out[f"{key}_s"].append(phases.get(key, float("nan")))
+                report = getattr(engine, "last_refit_report", [])
+                out["path"] = ",".join(str(r.get("path", "?")) for r in report)
+            for key in ("refit_s", "verify_s", "write_s", "load_s", "worker_s"):
+                out[key] = out[key][1:]
     finally:
         engine.shutdown()
     return out
@@ -118,9 +132,12 @@ def main() -> None:
             result = json.loads(lines[-1][len("RESULT "):])
             results[setting].append(result)
             gen = statistics.median(result["gen_tok_s"] or [float("nan")])
-            print(f"[round {round_index + 1}] {setting}: gen {gen:.1f} tok/s, "
-                  f"refit {statistics.median(result['refit_s'] or [float('nan')]):.3f} s, verify "
-                  f"{statistics.median(result['verify_s'] or [float('nan')]) * 1e3:.1f} ms "
+            def med1(key: str, r: dict[str, Any] = result) -> float:
+                return statistics.median(r.get(key) or [float("nan")])
+
+            print(f"[round {round_index + 1}] {setting}: gen {gen:.1f} tok/s, refit {med1('refit_s'):.3f} s "
+                  f"(trainer side {med1('write_s'):.3f}, engine side {med1('load_s'):.3f}, in the worker "
+                  f"{med1('worker_s'):.3f}; path {result.get('path', '?')}), verify {med1('verify_s') * 1e3:.1f} ms "
                   f"({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
     base = settings[0]
 
@@ -128,12 +145,14 @@ def main() -> None:
         values = [v for r in results[setting] for v in r[key]]
         return statistics.median(values) if values else float("nan")
 
-    print(f"| setting | generation tok/s | vs {base} | refit s | verify ms |")
-    print("|---|--:|--:|--:|--:|")
+    print(f"| setting | generation tok/s | vs {base} | refit s | trainer side s | engine side s | in worker s | "
+          f"vs {base} (engine side) | verify ms |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for setting in settings:
         print(f"| {setting} | {med(setting, 'gen_tok_s'):.1f} | "
               f"{med(setting, 'gen_tok_s') / med(base, 'gen_tok_s'):.2f}x | {med(setting, 'refit_s'):.3f} | "
-              f"{med(setting, 'verify_s') * 1e3:.1f} |")
+              f"{med(setting, 'write_s'):.3f} | {med(setting, 'load_s'):.3f} | {med(setting, 'worker_s'):.3f} | "
+              f"{med(setting, 'load_s') / med(base, 'load_s'):.2f}x | {med(setting, 'verify_s') * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

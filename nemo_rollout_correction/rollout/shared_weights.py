@@ -113,6 +113,7 @@ class SharedWeightsBuffer:
             self.unlink()
             raise
         self._by_name = {slot.name: slot for slot in slots}
+        self._chunks: dict[str, list[Tensor]] = {}  # each slot's copy chunks (views of the buffer), made once
 
     def matches(self, tensors: Mapping[str, Tensor], dtype: torch.dtype) -> bool:
         """Whether `tensors` fit this buffer's slots exactly (same names, order, shapes and stored dtypes)."""
@@ -124,13 +125,16 @@ class SharedWeightsBuffer:
         In chunks below torch's parallel grain size, so each copy runs on the calling thread: a memory-bound
         copy gains little from OpenMP, and on a loaded machine a 2-thread copy of SmolLM2's state measured 16 s
         against 1.4-3.1 s single-threaded (its threads wait for each other at every barrier). It also leaves the
-        trainer's OpenMP pool alone when this runs beside training (async rollouts).
+        trainer's OpenMP pool alone when this runs beside training (async rollouts). The chunks go through one
+        `torch._foreach_copy_` per tensor (`torch.split` views, the slots' cached), not a Python loop over
+        thousands of slices: that loop's overhead was about half the write (0.71 s against 0.32 s for 30M
+        elements, fp32 to bf16, on the loaded 2-core machine).
         """
         for name, tensor in tensors.items():
-            target = slot_view(self.buffer, self._by_name[name]).reshape(-1)
-            source = tensor.detach().reshape(-1)
-            for start in range(0, source.numel(), _COPY_CHUNK):
-                target[start: start + _COPY_CHUNK].copy_(source[start: start + _COPY_CHUNK])
+            targets = self._chunks.get(name)
+            if targets is None:
+                targets = self._chunks[name] = list(torch.split(self.view(name).reshape(-1), _COPY_CHUNK))
+            torch._foreach_copy_(targets, list(torch.split(tensor.detach().reshape(-1), _COPY_CHUNK)))
 
     def view(self, name: str) -> Tensor:
         return slot_view(self.buffer, self._by_name[name])

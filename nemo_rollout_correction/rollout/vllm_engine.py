@@ -78,6 +78,9 @@ class EngineOptions:
     (`_engine_process`). Needs a world of at most one torch.distributed process."""
     verify_refit: bool = True
     """After every CPU `refit`, read some weights back from the workers and fail unless they are the trainer's."""
+    direct_refit: bool = True
+    """CPU `refit`: copy the shared buffer straight into the workers' parameters where the model's layers allow
+    (`rollout/direct_load.py`); False always takes vLLM's layer-wise `reload_weights` (for comparisons)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -471,6 +474,17 @@ class VllmRolloutEngine:
         self.verify_seconds: list[float] = []
         self.last_refit_verified = False
         """Whether the latest `refit` was verified (`rollout/refit_verified`)."""
+        self.last_refit_report: list[dict[str, Any]] = []
+        """Each worker's account of the latest CPU `refit`: its own seconds, the path taken ("direct" or
+        "reload") and why not direct (`worker_extension.nrc_reload_from_shared`)."""
+        self.last_refit_phases: dict[str, float] = {}
+        """Seconds of the latest CPU `refit` by side: "write" (the trainer's cast and copy into the shared
+        buffer), "load" (the engine's: RPC, the workers' load, the prefix-cache reset), "worker" (inside them)."""
+        self.weight_version = 0
+        """Weight loads begun since the engine started (0: the checkpoint it started from). Every request carries it
+        as vLLM's `cache_salt`, so prefix-cache blocks computed under other weights never match (`generate`)."""
+        self.last_cached_prompt_tokens = 0
+        """Prompt tokens the latest `generate` call took from vLLM's prefix cache (`num_cached_tokens`)."""
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingOptions,
                  seed: int | None = None) -> RolloutBatch:
@@ -497,7 +511,11 @@ class VllmRolloutEngine:
                            seed=None if seed is None else seed + index * sampling.n)
             for index in range(len(prompt_token_ids))
         ]
-        prompts: Any = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
+        # The weight version salts vLLM's prefix-cache block hashes (`cache_salt`, part of the first block's hash,
+        # and every later block's hash chains on it): KV computed under other weights cannot be reused, whether or
+        # not the refit's `reset_prefix_cache` took effect (vLLM skips the reset while requests hold blocks).
+        salt = self.cache_salt
+        prompts: Any = [{"prompt_token_ids": list(map(int, p)), "cache_salt": salt} for p in prompt_token_ids]
         start = time.perf_counter()
         try:
             outputs = self._watched("generate", lambda: self.llm.generate(prompts, params, use_tqdm=False))
@@ -506,6 +524,7 @@ class VllmRolloutEngine:
         except Exception as exc:
             raise RolloutEngineError(f"vLLM {self.name}: generation failed: {type(exc).__name__}: {exc}") from exc
         seconds = time.perf_counter() - start
+        self.last_cached_prompt_tokens = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outputs)
         captured = RoutingMatcher(self._take_routing()) if self._capture_on_cpu else None
         samples: list[RolloutSample] = []
         for index, output in enumerate(outputs):
@@ -526,6 +545,11 @@ class VllmRolloutEngine:
                                              finish_reason=str(completion.finish_reason), text=completion.text,
                                              routed_experts=routed))
         return RolloutBatch(samples=samples, n=sampling.n, seconds=seconds)
+
+    @property
+    def cache_salt(self) -> str:
+        """The `cache_salt` of this engine's requests: its weight version (`weight_version`)."""
+        return f"nrc-weights-v{self.weight_version}"
 
     def _watched(self, what: str, call: Callable[[], T]) -> T:
         """Run a blocking engine call in a helper thread and wait for it, checking every half second that the
@@ -583,8 +607,10 @@ class VllmRolloutEngine:
 
         The tensors are cast into the engine's dtype and copied into a buffer shared with every vLLM worker
         (`rollout/shared_weights.py`: a file on `staging_dir`, default /dev/shm, mapped by both sides and
-        unlinked once they have), then each worker loads the buffer's views through `reload_weights`: nothing is
-        serialised. With `options.verify_refit` the engine then proves it holds them (`verify_refit`), raising
+        unlinked once they have), then each worker copies the buffer straight into its parameters
+        (`rollout/direct_load.py`) or, where that does not apply, loads the buffer's views through vLLM's
+        `reload_weights`: nothing is serialised. `last_refit_phases` splits the seconds by side. With
+        `options.verify_refit` the engine then proves it holds them (`verify_refit`), raising
         `RefitVerificationError` otherwise. `refit_seconds` records the load, `verify_seconds` the check.
         """
         start = time.perf_counter()
@@ -603,11 +629,19 @@ class VllmRolloutEngine:
                 self._shared_wire = [slot.to_wire() for slot in slots]
             assert self._shared is not None
             self._shared.write(state)
+            written = time.perf_counter()
+            self.weight_version += 1  # before the load: even a failed, partial load salts the cache anew
             shared = self._shared
-            self._watched("weight refit", lambda: self.llm.collective_rpc(
-                "nrc_reload_from_shared", args=(self._shared_key, shared.nbytes, self._shared_wire)))
+            self.last_refit_report = self._watched("weight refit", lambda: self.llm.collective_rpc(
+                "nrc_reload_from_shared",
+                args=(self._shared_key, shared.nbytes, self._shared_wire, self.options.direct_refit)))
             self._shared.unlink()  # every worker has mapped it now: no name left behind if a process dies
             self.llm.reset_prefix_cache()
+            self.last_refit_phases = {
+                "write": written - start,  # the trainer's side: cast and copy into the shared buffer
+                "load": time.perf_counter() - written,  # the engine's side: the RPC, the workers' load, the reset
+                "worker": max(float(r.get("seconds", 0.0)) for r in self.last_refit_report),  # inside the workers
+            }
         except RolloutEngineError:
             raise
         except Exception as exc:
@@ -713,7 +747,7 @@ class VllmRolloutEngine:
         """
         if not torch.cuda.is_available():
             raise RolloutEngineError("refit_weight_transfer needs CUDA (vLLM's IPC weight transfer); on CPU the "
-                                     "engine refits from a file (refit)")
+                                     "engine refits through a shared buffer (refit)")
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
         from nemo_rollout_correction.rollout.weight_source import tensor_weight_source
@@ -743,6 +777,7 @@ class VllmRolloutEngine:
         try:
             sender = IPCTrainerWeightTransferEngine.trainer_init(IPCTrainerInitInfo(rank=0), client=_Client(),
                                                                  source=source)
+            self.weight_version += 1
             sender.send_weights()
             self.llm.reset_prefix_cache()
         except Exception as exc:

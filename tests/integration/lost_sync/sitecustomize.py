@@ -14,10 +14,10 @@ if _AFTER is not None:
     _load = RefitExtension.nrc_reload_from_shared
     _calls = [0]
 
-    def _lossy(self, key, nbytes, slots):  # type: ignore[no-untyped-def]
+    def _lossy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         _calls[0] += 1
         if _calls[0] > int(_AFTER):
-            return {"num_tensors": 0, "seconds": 0.0, "repacked": 0}
-        return _load(self, key, nbytes, slots)
+            return {"num_tensors": 0, "seconds": 0.0, "repacked": 0, "path": "lost", "why_not_direct": ""}
+        return _load(self, *args, **kwargs)
 
     RefitExtension.nrc_reload_from_shared = _lossy  # type: ignore[method-assign]
