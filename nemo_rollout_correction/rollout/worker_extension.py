@@ -162,19 +162,21 @@ class RefitExtension:
             mapped = (key, map_file(key, nbytes))
             self._nrc_shared = mapped
             self._nrc_plan: Any = None
-            if direct:
-                model: Any = self.model_runner.model  # type: ignore[attr-defined]
-                tp_size = int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
-                try:
-                    self._nrc_plan = plan_direct_load(model, layout, tp_size)
-                except NotDirect as why:
-                    self._nrc_plan = str(why)
+        if direct and self._nrc_plan is None:
+            model: Any = self.model_runner.model  # type: ignore[attr-defined]
+            tp_size = int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
+            try:
+                self._nrc_plan = plan_direct_load(model, layout, tp_size)
+            except NotDirect as why:
+                self._nrc_plan = str(why)
         plan = self._nrc_plan if direct else "direct=False"
         if plan is not None and not isinstance(plan, str):
             count = run_direct_load(plan, mapped[1])
             return {"num_tensors": count, "seconds": time.perf_counter() - start, "repacked": len(plan.embeddings),
                     "path": "direct", "why_not_direct": ""}
         _quiet_expected_reload_warnings()
+        # the plan holds the parameters' tensors: plan again after vLLM's loader has had the model
+        self._nrc_plan = None if not isinstance(self._nrc_plan, str) else self._nrc_plan
         self.reload_weights(weights_iterator=iter_views(mapped[1], layout))  # type: ignore[attr-defined]
         repacked = self._nrc_repack_embedding_gemms() + self._nrc_repack_cpu_moe()
         return {"num_tensors": len(layout), "seconds": time.perf_counter() - start, "repacked": repacked,

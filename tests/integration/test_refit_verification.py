@@ -95,12 +95,17 @@ def test_direct_refit_loads_what_vllms_reload_loads(tmp_path: Path, tied: bool) 
         assert [r["path"] for r in engine.last_refit_report] == ["direct"], engine.last_refit_report
         direct = sample()
         engine.refit(second.items())
-        assert sample() != direct, "other weights gave the same samples: the comparison could not fail"
+        direct_second = sample()
+        assert direct_second != direct, "other weights gave the same samples: the comparison could not fail"
         engine.options = dataclasses.replace(engine.options, direct_refit=False)
         engine.refit(first.items())
         assert [r["path"] for r in engine.last_refit_report] == ["reload"]
         assert engine.last_refit_verified
         assert sample() == direct
+        engine.options = dataclasses.replace(engine.options, direct_refit=True)  # planned again after the reload
+        engine.refit(second.items())
+        assert [r["path"] for r in engine.last_refit_report] == ["direct"]
+        assert sample() == direct_second
     finally:
         engine.shutdown()
 
