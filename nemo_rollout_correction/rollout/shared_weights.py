@@ -67,11 +67,25 @@ class TensorSlot:
         return cls(str(name), str(dtype), tuple(int(s) for s in shape), int(offset))  # type: ignore[attr-defined, call-overload]
 
 
+# Projections vLLM fuses into one GEMM (q/k/v -> qkv_proj, gate/up -> gate_up_proj), in its fused order: laid
+# out back to back, a fused weight is a view of the buffer (`direct_load._fused_view`), not a `torch.cat`.
+_FUSED_ORDER = {"q_proj": "0", "k_proj": "1", "v_proj": "2", "gate_proj": "0", "up_proj": "1"}
+
+
+def _layout_key(name: str) -> tuple[str, ...]:
+    parts = name.split(".")
+    return tuple(_FUSED_ORDER.get(part, part) for part in parts)
+
+
 def plan_slots(tensors: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[list[TensorSlot], int]:
-    """The slots of `tensors` (floating ones stored as `dtype`, the engine's), and the buffer's size in bytes."""
+    """The slots of `tensors` (floating ones stored as `dtype`, the engine's), and the buffer's size in bytes.
+
+    Ordered by name with the fused projections in vLLM's fused order (`_FUSED_ORDER`), whatever the order of
+    `tensors`: a layout depends only on the set of tensors, their shapes and dtypes."""
     slots: list[TensorSlot] = []
     offset = 0
-    for name, tensor in tensors.items():
+    for name in sorted(tensors, key=_layout_key):
+        tensor = tensors[name]
         stored = dtype if tensor.is_floating_point() else tensor.dtype
         slot = TensorSlot(name, str(stored).removeprefix("torch."), tuple(tensor.shape), offset)
         slots.append(slot)
