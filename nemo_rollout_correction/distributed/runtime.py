@@ -113,6 +113,11 @@ def shutdown_runtime() -> None:
         dist.destroy_process_group()
 
 
+def initialized_world_size() -> int:
+    """The default process group's size, 0 when there is none (an engine started in process checks it)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 0
+
+
 def barrier() -> None:
     """A barrier over the whole job (no-op without torch.distributed)."""
     if dist.is_initialized():
@@ -181,6 +186,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "init_runtime",
+    "initialized_world_size",
     "launched_process_group",
     "recv_object",
     "send_object",

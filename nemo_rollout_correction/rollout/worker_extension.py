@@ -5,11 +5,12 @@ methods run in each worker and are reached with `llm.collective_rpc(name, args=.
 imported by the worker processes themselves: keep it importable without the trainer (no Megatron, no
 torch.distributed at import).
 
-Transport: tensors inside RPC arguments arrive as nested lists, so the trainer writes the weights to a
-safetensors file (on the node's shared memory when available) and sends its path. The worker streams
-it into `reload_weights`, which applies vLLM's own checkpoint-format loaders (the same code path as
-engine start: fused QKV / gate-up packing, TP sharding of the engine), so Hugging Face names are the
-interface.
+Transport: tensors inside RPC arguments arrive as nested lists, so the weights travel through a buffer
+on the node's shared memory that the trainer and every worker map once (`rollout/shared_weights.py`,
+`nrc_reload_from_shared`); each refit sends only the slot layout. The worker feeds the slots' views to
+`reload_weights`, which applies vLLM's own checkpoint-format loaders (the same code path as engine start:
+fused QKV / gate-up packing, TP sharding of the engine), so Hugging Face names are the interface.
+After a refit, `nrc_weight_checksums` reads some weights back for the trainer to verify (refit verification).
 
 Routing capture (rollout routing replay on CPU, `rollout/routing_capture.py`): `nrc_routing_capture_start`
 hooks every MoE router and wraps the model runner's `execute_model`; `nrc_routing_take` returns and forgets
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,14 +46,6 @@ def _quiet_expected_reload_warnings() -> None:
     logger = logging.getLogger(_RELOAD_LOGGER)
     if not any(isinstance(f, _ExpectedReloadWarnings) for f in logger.filters):
         logger.addFilter(_ExpectedReloadWarnings())
-
-
-def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt", device="cpu") as handle:
-        for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-            yield name, handle.get_tensor(name)
 
 
 class RefitExtension:
@@ -149,24 +141,75 @@ class RefitExtension:
             raise RuntimeError("nrc_routing_take before nrc_routing_capture_start")
         return recorder.take()  # type: ignore[no-any-return]
 
-    def nrc_reload_from_file(self, path: str) -> dict[str, Any]:
-        """Load every tensor of the safetensors file `path` (HF names) into the running model.
+    def nrc_reload_from_shared(self, key: str, nbytes: int, slots: list[list[Any]],
+                               direct: bool = True) -> dict[str, Any]:
+        """Load the weights the trainer wrote into the shared buffer `key` (`rollout/shared_weights.py`).
 
-        Returns {"num_tensors": int, "seconds": float} measured inside the worker.
+        The first call with a new `key` maps the file (the trainer unlinks it once every worker has) and, with
+        `direct`, plans the fast path (`rollout/direct_load.py`: the slots copied straight into the model's
+        parameters, linear layers re-packed by vLLM's CPU GEMM dispatch); later calls reuse both. Where the
+        fast path does not apply, the slots' views go into vLLM's `reload_weights`, whose loaders copy them
+        into the model. Returns {"num_tensors", "seconds", "repacked", "path": "direct" or "reload",
+        "why_not_direct"}.
         """
+        from nemo_rollout_correction.rollout.direct_load import NotDirect, plan_direct_load, run_direct_load
+        from nemo_rollout_correction.rollout.shared_weights import TensorSlot, iter_views, map_file
+
         start = time.perf_counter()
-        count = 0
+        mapped: tuple[str, torch.Tensor] | None = getattr(self, "_nrc_shared", None)
+        layout = [TensorSlot.from_wire(slot) for slot in slots]
+        if mapped is None or mapped[0] != key:
+            mapped = (key, map_file(key, nbytes))
+            self._nrc_shared = mapped
+            self._nrc_plan: Any = None
+        if direct and self._nrc_plan is None:
+            model: Any = self.model_runner.model  # type: ignore[attr-defined]
+            tp_size = int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
+            try:
+                self._nrc_plan = plan_direct_load(model, layout, tp_size)
+            except NotDirect as why:
+                self._nrc_plan = str(why)
+        plan = self._nrc_plan if direct else "direct=False"
+        if plan is not None and not isinstance(plan, str):
+            count = run_direct_load(plan, mapped[1])
+            return {"num_tensors": count, "seconds": time.perf_counter() - start, "repacked": len(plan.embeddings),
+                    "path": "direct", "why_not_direct": ""}
         _quiet_expected_reload_warnings()
-
-        def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal count
-            for item in _iter_safetensors(path):
-                count += 1
-                yield item
-
-        self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+        # the plan holds the parameters' tensors: plan again after vLLM's loader has had the model
+        self._nrc_plan = None if not isinstance(self._nrc_plan, str) else self._nrc_plan
+        self.reload_weights(weights_iterator=iter_views(mapped[1], layout))  # type: ignore[attr-defined]
         repacked = self._nrc_repack_embedding_gemms() + self._nrc_repack_cpu_moe()
-        return {"num_tensors": count, "seconds": time.perf_counter() - start, "repacked": repacked}
+        return {"num_tensors": len(layout), "seconds": time.perf_counter() - start, "repacked": repacked,
+                "path": "reload", "why_not_direct": str(plan)}
+
+    def nrc_weight_checksums(self, requests: list[list[Any]]) -> dict[str, Any]:
+        """Fingerprints of the model's own copies of some weights, read back after a refit (refit verification).
+
+        `requests`: [hf_name, rows or None] pairs. A parameter kept under its Hugging Face name (embeddings, the
+        untied lm_head, norms: the linear layers' weights live in packed kernel form on CPU and are not readable)
+        answers {"rows": the requested rows this worker holds (a vocab-parallel shard holds some), "sum":
+        `checksum` of them, "dtype"}; anything else answers None (not readable here).
+        """
+        from nemo_rollout_correction.rollout.shared_weights import checksum
+
+        model: Any = self.model_runner.model  # type: ignore[attr-defined]
+        params = dict(model.named_parameters())
+        out: dict[str, Any] = {}
+        for name, rows in requests:
+            param = params.get(name)
+            if param is None or param.numel() == 0:
+                out[name] = None
+                continue
+            held: list[int] | None = None
+            local: list[int] | None = None
+            if rows is not None:
+                shard = getattr(model.get_submodule(name.rpartition(".")[0]), "shard_indices", None)
+                first = int(shard.org_vocab_start_index) if shard is not None else 0
+                end = int(shard.org_vocab_end_index) if shard is not None else param.shape[0]
+                held = [int(r) for r in rows if first <= int(r) < end]
+                local = [r - first for r in held]
+            out[name] = {"rows": held, "sum": checksum(param.data, local), "dtype": str(param.dtype)}
+        return out
 
     def _nrc_repack_cpu_moe(self) -> int:
         """Re-pack the CPU MoE experts' grouped-GEMM weights after a reload; returns how many layers.

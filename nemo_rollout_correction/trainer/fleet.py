@@ -134,7 +134,7 @@ class RolloutFleet:
         self.shares_rollouts = hosts and (not gpu_shards or groups.tp_rank == 0)
         self.engine: VllmRolloutEngine | None = None
         self.push_seconds = 0.0  # this rank's engine's latest weight load
-        # each engine's latest weight load (file refit on CPU), as the last `share_rollouts` reported it
+        # each engine's latest weight load (shared-buffer refit on CPU), as the last `share_rollouts` reported it
         self.engine_refit_seconds: tuple[float, ...] = ()
         # per_dp_group: the full samples this engine generated, by (step, attempt), until `localize` hands their
         # logprobs and routing to the data-parallel group that trains them
@@ -428,6 +428,15 @@ class RolloutFleet:
                 pass
             return None
         return {name: tensor.detach().to(self.engine.staging_device, copy=True) for name, tensor in weights}
+
+    @property
+    def refit_verified(self) -> bool:
+        """`rollout/refit_verified`: whether this rank's engine proved it holds the weights of its latest sync
+        (`rollout.verify_refit`; a failed check raises there and stops the run). A rank without an engine
+        reports whether its engines verify (they do every sync or stop the run): the same keys on every rank."""
+        if self.engine is not None:
+            return bool(getattr(self.engine, "last_refit_verified", False))
+        return self.cfg.rollout.verify_refit and not torch.cuda.is_available()
 
     def push_weights(self, weights: dict[str, Tensor]) -> float:
         """Load `weights` into this rank's engine (no collectives); returns the seconds taken."""

@@ -291,7 +291,8 @@ class GrpoTrainer:
         self.step_index += 1
         timings = timer.seconds
         timings.setdefault("step", sum(timings.values()))  # a skipped update leaves the timer early
-        metrics = {**self.report.metrics(collected.batch, rewards, updates, timings, collected.engine_refit_seconds),
+        metrics = {**self.report.metrics(collected.batch, rewards, updates, timings, collected.engine_refit_seconds,
+                                         self.fleet.refit_verified),
                    **extra, **routing_replay.router_agreement_metrics(self.policy, self.groups)}
         if evaluation.evaluates_after(self.cfg, self.step_index):
             metrics |= self.evaluate()

@@ -60,6 +60,8 @@ def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None, *
         batch_invariant=r.batch_invariant,
         capture_routing=r.routing_replay == "r3",
         generate_timeout_s=r.generate_timeout_s,
+        verify_refit=r.verify_refit,
+        in_process=r.in_process,
     )
 
 

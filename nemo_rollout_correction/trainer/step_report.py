@@ -79,8 +79,11 @@ class StepReport:
     # ---- metrics ------------------------------------------------------------------------------------------
 
     def metrics(self, batch: RolloutBatch, rewards: Tensor, updates: Sequence[Update], timings: dict[str, float],
-                engine_refit_seconds: Sequence[float]) -> dict[str, float]:
-        """The step's metrics; loss, policy and `rollout_corr/*` values average over the step's updates."""
+                engine_refit_seconds: Sequence[float], refit_verified: bool = False) -> dict[str, float]:
+        """The step's metrics; loss, policy and `rollout_corr/*` values average over the step's updates.
+
+        `refit_verified`: whether the engine's latest weight sync was verified (`RolloutFleet.refit_verified`).
+        """
 
         def mean(values: list[float]) -> float:
             return sum(values) / max(len(values), 1)
@@ -110,9 +113,10 @@ class StepReport:
             metrics |= {mn.MULTI_TURN_NUM_TURNS_MEAN: sum(turns) / len(turns),
                         mn.MULTI_TURN_NUM_TURNS_MAX: float(max(turns)),
                         mn.MULTI_TURN_OBSERVATION_TOKENS_FRAC: observed / max(total, 1)}
-        # each engine's latest weight load (file refit on CPU), as reported with this step's rollouts
+        # each engine's latest weight load (shared-buffer refit on CPU), as reported with this step's rollouts
         for engine, seconds in enumerate(engine_refit_seconds):
             metrics[mn.engine_refit(engine)] = seconds
+        metrics[mn.ROLLOUT_REFIT_VERIFIED] = float(refit_verified)
         metrics.update({mn.timing(k): v for k, v in timings.items()})
         metrics[mn.TIMING_CORRECTION_FRACTION] = timings["correction"] / max(timings["step"], 1e-9)
         if not updates:  # a skipped update (DAPO: no group with reward variance) has no loss or optimizer metrics

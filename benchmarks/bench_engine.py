@@ -1,0 +1,159 @@
+"""The rollout engine alone: generation tokens/s, refit and refit-verification seconds, per engine setting.
+
+Each setting runs in its own subprocess (one engine at a time on this 2-core machine), settings interleaved
+over `--rounds` so a load change on the machine hits them all alike. Prints medians and ratios to the first
+setting:
+
+    python benchmarks/bench_engine.py                       # SmolLM2-135M, bf16, 4 prompts x 4 x 48 tokens
+    python benchmarks/bench_engine.py --settings mp,inproc --rounds 3
+
+Settings (`--settings`, comma list):
+  mp       the engine as `nrc train` starts it (vLLM's engine core in its own process)
+  inproc   the same engine in this process (`EngineOptions.in_process`: VLLM_ENABLE_V1_MULTIPROCESSING=0, as
+           TRL's colocated mode runs it)
+  noseed   like mp, but requests without a per-request seed (vLLM then samples the batch with one generator)
+  reload   like mp, but the refit always takes vLLM's layer-wise `reload_weights` (`direct_refit=False`), the
+           path before `rollout/direct_load.py`
+The refit is split into the trainer's side (cast and copy into the shared buffer), the engine's side (RPC, the
+workers' load, the prefix-cache reset) and the workers' own seconds (`VllmRolloutEngine.last_refit_phases`).
+
+    python benchmarks/bench_engine.py --settings mp,reload --reps 0 --refits 5   # refit only
+Generation uses `ignore_eos` so every call makes exactly prompts x n x max_tokens tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+QUESTIONS = ["What is 2 + 3?", "Name a color of the sky.", "Write one word that rhymes with cat.",
+             "How many legs does a spider have?", "What is the capital of France?", "Say hello politely.",
+             "What is 7 times 6?", "Give a synonym for quick."]
+SETTINGS = {
+    "mp": {},
+    "inproc": {},
+    "noseed": {},
+    "reload": {},
+}
+
+
+def _child(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True) for q in QUESTIONS[: args.prompts]]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    extra: dict[str, Any] = ({"in_process": True} if args.setting == "inproc"
+                             else {"direct_refit": False} if args.setting == "reload" else {})
+    engine = VllmRolloutEngine(EngineOptions(model_dir=args.model, dtype=args.dtype, max_model_len=512, seed=0,
+                                             **extra))
+    sampling = SamplingOptions(n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+    seeded = args.setting != "noseed"
+    out: dict[str, Any] = {"setting": args.setting, "start_s": engine.start_seconds, "gen_tok_s": [],
+                           "refit_s": [], "verify_s": [], "write_s": [], "load_s": [], "worker_s": [], "path": ""}
+    try:
+        engine.generate(prompts, sampling, seed=1 if seeded else None)  # warm-up
+        for rep in range(args.reps):
+            batch = engine.generate(prompts, sampling, seed=100 + rep if seeded else None)
+            out["gen_tok_s"].append(batch.num_generated_tokens / batch.seconds)
+        if args.refits:
+            state = {k: v.float() for k, v in load_file(os.path.join(args.model, "model.safetensors")).items()}
+            gen = torch.Generator().manual_seed(0)
+            for _ in range(args.refits + 1):  # the first creates the shared buffer: not counted
+                for tensor in state.values():  # a small change everywhere, like an optimizer step
+                    tensor.add_(torch.randn(tensor.shape, generator=gen) * 1e-4)
+                engine.refit(state.items())
+                out["refit_s"].append(engine.refit_seconds[-1])
+                verify = getattr(engine, "verify_seconds", [])  # absent before issue 27 (--code-path of an old tree)
+                out["verify_s"].append(verify[-1] if verify else float("nan"))
+                phases = getattr(engine, "last_refit_phases", {})  # absent before the direct path
+                for key in ("write", "load", "worker"):
+                    out[f"{key}_s"].append(phases.get(key, float("nan")))
+                report = getattr(engine, "last_refit_report", [])
+                out["path"] = ",".join(str(r.get("path", "?")) for r in report)
+            for key in ("refit_s", "verify_s", "write_s", "load_s", "worker_s"):
+                out[key] = out[key][1:]
+    finally:
+        engine.shutdown()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: the built SmolLM2-135M)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--settings", default="mp,inproc")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--refits", type=int, default=5)
+    parser.add_argument("--code-path", default=None,
+                        help="run the engine code of another checkout (its PYTHONPATH), e.g. the tree before a change")
+    parser.add_argument("--setting", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.model is None:
+        from nemo_rollout_correction.models.sources import smollm2_135m_dir
+
+        args.model = str(smollm2_135m_dir())
+    if args.setting is not None:  # the child
+        print("RESULT " + json.dumps(_child(args)), flush=True)
+        return
+    settings = args.settings.split(",")
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"--settings: unknown {unknown}; allowed: {sorted(SETTINGS)}")
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in settings}
+    for round_index in range(args.rounds):
+        for setting in settings:
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                   **SETTINGS[setting], **({"PYTHONPATH": args.code_path} if args.code_path else {})}
+            argv = [sys.executable, __file__, "--setting", setting, "--model", args.model, "--dtype", args.dtype,
+                    "--prompts", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
+                    "--reps", str(args.reps), "--refits", str(args.refits)]
+            began = time.perf_counter()
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+                raise SystemExit(f"setting {setting} failed (exit {proc.returncode})")
+            result = json.loads(lines[-1][len("RESULT "):])
+            results[setting].append(result)
+            gen = statistics.median(result["gen_tok_s"] or [float("nan")])
+            def med1(key: str, r: dict[str, Any] = result) -> float:
+                return statistics.median(r.get(key) or [float("nan")])
+
+            print(f"[round {round_index + 1}] {setting}: gen {gen:.1f} tok/s, refit {med1('refit_s'):.3f} s "
+                  f"(trainer side {med1('write_s'):.3f}, engine side {med1('load_s'):.3f}, in the worker "
+                  f"{med1('worker_s'):.3f}; path {result.get('path', '?')}), verify {med1('verify_s') * 1e3:.1f} ms "
+                  f"({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
+    base = settings[0]
+
+    def med(setting: str, key: str) -> float:
+        values = [v for r in results[setting] for v in r[key]]
+        return statistics.median(values) if values else float("nan")
+
+    print(f"| setting | generation tok/s | vs {base} | refit s | trainer side s | engine side s | in worker s | "
+          f"vs {base} (engine side) | verify ms |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for setting in settings:
+        print(f"| {setting} | {med(setting, 'gen_tok_s'):.1f} | "
+              f"{med(setting, 'gen_tok_s') / med(base, 'gen_tok_s'):.2f}x | {med(setting, 'refit_s'):.3f} | "
+              f"{med(setting, 'write_s'):.3f} | {med(setting, 'load_s'):.3f} | {med(setting, 'worker_s'):.3f} | "
+              f"{med(setting, 'load_s') / med(base, 'load_s'):.2f}x | {med(setting, 'verify_s') * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
