@@ -44,8 +44,9 @@ base="$(sed -n 's/^FROM[[:space:]]\+\([^[:space:]]\+\).*/\1/p' containers/Docker
 [[ -n "${base}" ]] || { echo "container_smoke: no FROM line in containers/Dockerfile.cpu" >&2; exit 1; }
 ca="${NRC_CA_BUNDLE-/etc/ssl/certs/ca-certificates.crt}"
 [[ -z "${ca}" || -f "${ca}" ]] || ca=""
-# Default: the host pip's find-links directory (this machine class keeps the CPU torch wheel there).
-wheels="${NRC_WHEELS_DIR-$(python3 -m pip config get global.find-links 2>/dev/null || true)}"
+# Default: the host pip's find-links directory, from the environment or pip's configuration (this machine class
+# keeps the CPU torch wheel there).
+wheels="${NRC_WHEELS_DIR-${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}}"
 [[ -z "${wheels}" || -d "${wheels}" ]] || wheels=""
 if [[ -n "${TORCH_INDEX_URL+set}" ]]; then
   torch_index="${TORCH_INDEX_URL}"
@@ -55,11 +56,13 @@ else
   torch_index="https://download.pytorch.org/whl/cpu"
 fi
 
-# What the dependency layer depends on: the Dockerfile up to its `install.sh cpu deps` step and the files copied
-# before it. Stored as a label on the image; `--cached` compares it.
+# What the dependency layer depends on: the Dockerfile up to its `install.sh cpu deps` step, the files copied
+# before it and the build argument (podman's cache key covers the same). Stored as a label on the image;
+# `--cached` compares it.
 deps_key() {
   { sed -n '1,/install.sh cpu deps/p' containers/Dockerfile.cpu
-    cat ci/constraints.txt containers/install.sh containers/requirements-cpu.txt; } | sha256sum | cut -c1-16
+    cat ci/constraints.txt containers/install.sh containers/requirements-cpu.txt
+    echo "TORCH_INDEX_URL=${torch_index}"; } | sha256sum | cut -c1-16
 }
 if [[ "${1:-}" == --cached ]]; then
   if command -v podman >/dev/null && podman image exists "${base}" && podman image exists "${tag}" \

@@ -50,14 +50,13 @@ def cpu_image(tmp_path_factory: pytest.TempPathFactory) -> CpuImage:
 
     The images are kept (NRC_KEEP_IMAGES=1): the Slurm test runs the image, and podman's layer cache makes the
     next build on this machine take minutes instead of tens of minutes (docs/deployment.md, "System tests").
-    A minimal environment, as a fresh root shell has: what the script needs it finds itself.
+    The environment passes through: the script reads the host pip's settings (CA bundle, find-links) from it.
     """
     require_root("the podman build")
     work = tmp_path_factory.mktemp("container-smoke")
     started = time.monotonic()
     proc = subprocess.run(["bash", str(SMOKE)], capture_output=True, text=True, timeout=3000,
-                          env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                               "HOME": str(work), "NRC_SMOKE_DIR": str(work / "smoke"), "NRC_KEEP_IMAGES": "1",
+                          env={**os.environ, "NRC_SMOKE_DIR": str(work / "smoke"), "NRC_KEEP_IMAGES": "1",
                                "NRC_IMAGE_TAG": IMAGE_TAG})
     seconds = time.monotonic() - started
     print(f"\nci/container_smoke.sh: {seconds:.1f} s")
