@@ -147,16 +147,14 @@ if [[ -n "${wheels}" ]]; then
   echo "find-links = /run/host-wheels" >> "${pipconf}"
 fi
 build_mounts+=(-v "${pipconf}:/etc/pip.conf:ro")
-previous="$(podman image inspect --format '{{.Id}}' "${tag}" 2>/dev/null || true)"
 # --format docker: the OCI format ignores the Dockerfile's SHELL (bash -o pipefail).
 podman build --pull=never --format docker --runtime runc --network host "${build_mounts[@]}" \
   --ulimit nofile=20000:20000 --ulimit nproc=32768:32768 \
   --build-arg "TORCH_INDEX_URL=${torch_index}" --label "nrc.deps-key=$(deps_key)" \
   -f containers/Dockerfile.cpu -t "${tag}" "${root}"
-# The image this build replaced (now untagged) shares all but its top layers with it: drop it, keep the cache.
-if [[ -n "${previous}" && "${previous}" != "$(podman image inspect --format '{{.Id}}' "${tag}")" ]]; then
-  podman rmi "${previous}" >/dev/null 2>&1 || true
-fi
+# The image this build replaced stays, untagged: removing it (podman rmi) also removes its untagged parents, the
+# intermediate images that are podman's layer cache, and the next build would be cold. Only its package layers
+# are its own (a few MB each).
 phase_done build
 
 phase "run: nrc demo (user 10001)"
