@@ -235,7 +235,7 @@ def test_grpo_sbatch_runs_each_nodes_ranks_in_a_podman_container(slurm_cluster: 
     env = {**job_env(slurm_cluster), "NRC_IMAGE": cpu_image.tag, "NRC_CONTAINER_RUNTIME": "podman",
            "NRC_NPROC_PER_NODE": "1", "NRC_MOUNTS": f"{runs}:/runs", "MASTER_PORT": str(_free_port()),
            # this machine's podman settings (runc, cgroupfs, ulimits), as ci/container_smoke.sh wrote them
-           "CONTAINERS_CONF": str(cpu_image.containers_conf), "NRC_PODMAN_ARGS": "--shm-size=1g"}
+           "CONTAINERS_CONF": str(cpu_image.containers_conf)}  # host IPC: vLLM gets the host's /dev/shm
     started = time.monotonic()
     job_id = slurm_cluster.run(
         "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--time=00:20:00", f"--output={tmp_path}/%x-%j.out",
