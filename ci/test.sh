@@ -14,13 +14,13 @@
 #   - the GPU image's pins through pip's resolver (ci/resolve_gpu_pins.sh, about 1 to 2 minutes): always;
 #   - the CPU image built and run (ci/container_smoke.sh): only when podman's store on this machine holds the image
 #     a previous run kept with the same dependency inputs (`ci/container_smoke.sh --cached`): the build then
-#     reuses every layer but the package's (minutes). A cold build (a new machine, or changed pins) takes 20 to
-#     30 minutes here, beyond the budget: run it once by hand (`bash ci/container_smoke.sh` with
-#     NRC_KEEP_IMAGES=1, or the system tests) and CI picks it up from then on. NRC_CONTAINER_SMOKE=1 runs it
-#     regardless, 0 never.
+#     reuses every layer but the package's (about 1 minute, 6 with the run). A cold smoke (a new machine, or
+#     changed pins) took 28 to 36 minutes here, beyond the budget: run it once by hand (`bash
+#     ci/container_smoke.sh` with NRC_KEEP_IMAGES=1, or the system tests) and CI picks it up from then on.
+#     NRC_CONTAINER_SMOKE=1 runs it regardless, 0 never.
 # Not in CI, by hand (NRC_SYSTEM_TESTS=tests/system runs every system test): `nrc launch` through NeMo-Run on
-# the cluster (about 6 minutes) and grpo.sbatch in podman containers on the cluster (about 5 minutes plus the
-# image): together with the above they take CI past 60 minutes.
+# the cluster (about 7 minutes) and grpo.sbatch in podman containers on the cluster (minutes, plus the image):
+# together with the above they take CI past 60 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/_venv.sh
@@ -73,7 +73,7 @@ if [ "${system}" = 1 ]; then
     if [ "${smoke}" = 1 ]; then
       system_tests="${system_tests} tests/system/test_container_build.py"
     else
-      echo "== container build and run not in this run: no cached image (a cold build is 20 to 30 minutes);" \
+      echo "== container build and run not in this run: no cached image (a cold build and run is 28 to 36 minutes);" \
            "bash ci/container_smoke.sh with NRC_KEEP_IMAGES=1 once, by hand (docs/deployment.md, System tests) =="
     fi
   fi
