@@ -222,6 +222,8 @@ def test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflo
 
 
 @pytest.mark.timeout(5400)  # includes the image build (cpu_image) when no earlier test made it: cold, tens of minutes
+@pytest.mark.xfail(strict=True, reason="not working yet (2026-11-28): the two containers pass torchrun's rendezvous "
+                   "but the second agent times out waiting for MASTER_ADDR in the rendezvous store (deployment.md)")
 def test_grpo_sbatch_runs_each_nodes_ranks_in_a_podman_container(slurm_cluster: SlurmCluster, cpu_image: CpuImage,
                                                                   tmp_path: Path) -> None:
     """grpo.sbatch with NRC_CONTAINER_RUNTIME=podman on two nodes: each node's srun task starts a container of the
