@@ -4,6 +4,8 @@
 #
 #   bash ci/container_smoke.sh                 # as root; installs podman/runc/debootstrap if missing
 #   NRC_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt bash ci/container_smoke.sh
+#   bash ci/container_smoke.sh --cached        # exit 0 when podman's store holds a kept image whose dependency
+#                                              # layer is current (a build then takes minutes), else 1; builds nothing
 #
 # No image registry is needed. The Dockerfile's base (`FROM python:3.11.7-slim`) is made locally:
 # debootstrap --variant=minbase bookworm with Debian's Python 3.11 (pip, venv), `podman import`ed and
@@ -25,7 +27,10 @@
 #   DEBIAN_MIRROR      default http://deb.debian.org/debian
 #   NRC_SMOKE_DIR      scratch directory (base rootfs, the run volume); default /tmp/nrc-container-smoke
 #   NRC_IMAGE_TAG      default localhost/nrc:0.1.0-cpu
-#   NRC_KEEP_IMAGES=1  keep the images afterwards (default: remove both, the base and nrc)
+#   NRC_KEEP_IMAGES=1  keep the images afterwards (default: remove both, the base and nrc). Podman's store is
+#                      machine-wide (/var/lib/containers/storage for root), so the next build on this machine, from
+#                      any clone, reuses the base and every cached layer: with unchanged dependency inputs only the
+#                      package layer is rebuilt. The image carries the key of those inputs (label nrc.deps-key).
 #
 # Prints the time of each phase. Exits non-zero on the first failure.
 set -euo pipefail
@@ -39,8 +44,9 @@ base="$(sed -n 's/^FROM[[:space:]]\+\([^[:space:]]\+\).*/\1/p' containers/Docker
 [[ -n "${base}" ]] || { echo "container_smoke: no FROM line in containers/Dockerfile.cpu" >&2; exit 1; }
 ca="${NRC_CA_BUNDLE-/etc/ssl/certs/ca-certificates.crt}"
 [[ -z "${ca}" || -f "${ca}" ]] || ca=""
-# Default: the host pip's find-links directory (this machine class keeps the CPU torch wheel there).
-wheels="${NRC_WHEELS_DIR-$(python3 -m pip config get global.find-links 2>/dev/null || true)}"
+# Default: the host pip's find-links directory, from the environment or pip's configuration (this machine class
+# keeps the CPU torch wheel there).
+wheels="${NRC_WHEELS_DIR-${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}}"
 [[ -z "${wheels}" || -d "${wheels}" ]] || wheels=""
 if [[ -n "${TORCH_INDEX_URL+set}" ]]; then
   torch_index="${TORCH_INDEX_URL}"
@@ -48,6 +54,27 @@ elif [[ -n "${wheels}" ]]; then
   torch_index=""
 else
   torch_index="https://download.pytorch.org/whl/cpu"
+fi
+
+# What the dependency layer depends on: the Dockerfile up to its `install.sh cpu deps` step, the files copied
+# before it and the build argument (podman's cache key covers the same). Stored as a label on the image;
+# `--cached` compares it.
+deps_key() {
+  { sed -n '1,/install.sh cpu deps/p' containers/Dockerfile.cpu
+    cat ci/constraints.txt containers/install.sh containers/requirements-cpu.txt
+    echo "TORCH_INDEX_URL=${torch_index}"; } | sha256sum | cut -c1-16
+}
+if [[ "${1:-}" == --cached ]]; then
+  if command -v podman >/dev/null && podman image exists "${base}" && podman image exists "${tag}" \
+      && [[ "$(podman image inspect --format '{{index .Labels "nrc.deps-key"}}' "${tag}")" == "$(deps_key)" ]]; then
+    echo "container_smoke: ${tag} and ${base} are in podman's store with current dependencies (key $(deps_key))"
+    exit 0
+  fi
+  echo "container_smoke: no kept ${tag} with current dependencies (key $(deps_key)): a build would be cold"
+  exit 1
+elif [[ -n "${1:-}" ]]; then
+  echo "usage: ci/container_smoke.sh [--cached]" >&2
+  exit 2
 fi
 
 phase_start=0
@@ -123,8 +150,11 @@ build_mounts+=(-v "${pipconf}:/etc/pip.conf:ro")
 # --format docker: the OCI format ignores the Dockerfile's SHELL (bash -o pipefail).
 podman build --pull=never --format docker --runtime runc --network host "${build_mounts[@]}" \
   --ulimit nofile=20000:20000 --ulimit nproc=32768:32768 \
-  --build-arg "TORCH_INDEX_URL=${torch_index}" \
+  --build-arg "TORCH_INDEX_URL=${torch_index}" --label "nrc.deps-key=$(deps_key)" \
   -f containers/Dockerfile.cpu -t "${tag}" "${root}"
+# The image this build replaced stays, untagged: removing it (podman rmi) also removes its untagged parents, the
+# intermediate images that are podman's layer cache, and the next build would be cold. Only its package layers
+# are its own (a few MB each).
 phase_done build
 
 phase "run: nrc demo (user 10001)"

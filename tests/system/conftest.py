@@ -15,9 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from system_support import ROOT, SlurmCluster, require_root
+from system_support import ROOT, CpuImage, SlurmCluster, require_root
 
 CLUSTER = ROOT / "ci" / "slurm_cluster.sh"
+SMOKE = ROOT / "ci" / "container_smoke.sh"
+IMAGE_TAG = "localhost/nrc:0.1.0-cpu"
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +42,26 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     finally:
         subprocess.run(["bash", str(CLUSTER), "down", str(directory)], capture_output=True, text=True, env=env,
                        timeout=120, check=False)
+
+
+@pytest.fixture(scope="session")
+def cpu_image(tmp_path_factory: pytest.TempPathFactory) -> CpuImage:
+    """containers/Dockerfile.cpu built with podman and run (ci/container_smoke.sh), once per session.
+
+    The images are kept (NRC_KEEP_IMAGES=1): the Slurm test runs the image, and podman's layer cache makes the
+    next build on this machine take minutes instead of tens of minutes (docs/deployment.md, "System tests").
+    The environment passes through: the script reads the host pip's settings (CA bundle, find-links) from it.
+    """
+    require_root("the podman build")
+    work = tmp_path_factory.mktemp("container-smoke")
+    started = time.monotonic()
+    proc = subprocess.run(["bash", str(SMOKE)], capture_output=True, text=True, timeout=3000,
+                          env={**os.environ, "NRC_SMOKE_DIR": str(work / "smoke"), "NRC_KEEP_IMAGES": "1",
+                               "NRC_IMAGE_TAG": IMAGE_TAG})
+    seconds = time.monotonic() - started
+    print(f"\nci/container_smoke.sh: {seconds:.1f} s")
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("== container_smoke")))
+    return CpuImage(IMAGE_TAG, work / "smoke" / "containers.conf", proc, seconds)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

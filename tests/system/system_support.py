@@ -54,3 +54,20 @@ class SlurmCluster:
             time.sleep(2)
         self.run("scancel", job_id, check=False)
         raise AssertionError(f"job {job_id} still queued or running after {timeout:.0f} s; cancelled it")
+
+
+@dataclass(frozen=True)
+class CpuImage:
+    """What ci/container_smoke.sh left: the CPU image (kept in podman's store), the podman settings it wrote for
+    this machine (CONTAINERS_CONF), and the script's result (the tests assert on it)."""
+
+    tag: str
+    containers_conf: Path
+    proc: subprocess.CompletedProcess[str]
+    seconds: float
+
+    def require_built(self) -> None:
+        """Fail (with the script's output) unless the smoke run succeeded, i.e. the image is there."""
+        if self.proc.returncode != 0:
+            pytest.fail("ci/container_smoke.sh failed, so the image is missing:\n"
+                        + self.proc.stdout[-3000:] + self.proc.stderr[-3000:])
