@@ -82,13 +82,16 @@ def run_losses(groups: ParallelGroups, data: dict[str, Tensor]) -> dict[str, Any
                          for k in ("targets", "old", "rollout", "mask")}
                 batch["advantages"] = data["advantages"][start:stop]
                 shards.append((start, stop, logits.clone().requires_grad_(True), batch))
-            corrections = []
+            references = []
             for _, _, logits, batch in shards:
                 with torch.no_grad():
                     current = loss_workers.module_logprobs(logits, batch["targets"], groups)
-                reference = current if cfg.bypass_mode else batch["old"]
-                corrections.append(module.correct(reference, batch["rollout"], batch["mask"], groups,
-                                                  advantages=batch["advantages"]))
+                references.append(current if cfg.bypass_mode else batch["old"])
+            # step-level thresholds (M2PO, the adaptive IS bound) come from the whole step first
+            module = module.for_step([(ref, b["rollout"], b["mask"]) for ref, (_, _, _, b) in zip(references, shards,
+                                                                                                     strict=True)], groups)
+            corrections = [module.correct(ref, b["rollout"], b["mask"], groups, advantages=b["advantages"])
+                           for ref, (_, _, _, b) in zip(references, shards, strict=True)]
             step = module.prepare_step(corrections, groups)
             den = StepDenominators.from_step(step)
             total, grads = 0.0, []
