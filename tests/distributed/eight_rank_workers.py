@@ -88,8 +88,8 @@ def run_losses(groups: ParallelGroups, data: dict[str, Tensor]) -> dict[str, Any
                     current = loss_workers.module_logprobs(logits, batch["targets"], groups)
                 references.append(current if cfg.bypass_mode else batch["old"])
             # step-level thresholds (M2PO, the adaptive IS bound) come from the whole step first
-            module = module.for_step([(ref, b["rollout"], b["mask"]) for ref, (_, _, _, b) in zip(references, shards,
-                                                                                                     strict=True)], groups)
+            step_shards = [(ref, b["rollout"], b["mask"]) for ref, (_, _, _, b) in zip(references, shards, strict=True)]
+            module = module.for_step(step_shards, groups)
             corrections = [module.correct(ref, b["rollout"], b["mask"], groups, advantages=b["advantages"])
                            for ref, (_, _, _, b) in zip(references, shards, strict=True)]
             step = module.prepare_step(corrections, groups)
