@@ -26,7 +26,7 @@ from nemo_rollout_correction.distributed import (
     unshard_sequence,
 )
 from nemo_rollout_correction.distributed.context_parallel import gather_sequence_partials
-from nemo_rollout_correction.distributed.correction import core_config
+from nemo_rollout_correction.distributed.correction import core_config, resolve_step_config
 from nemo_rollout_correction.distributed.reduce import use_slots
 
 pytestmark = pytest.mark.distributed
@@ -164,7 +164,9 @@ def test_schema_from_the_config_covers_every_rank_s_partials(name: str) -> None:
     schema = metric_schema(cfg)
     for old, rollout, mask in _subsets(make_data()):
         adv = torch.linspace(-1.0, 1.0, old.shape[0])  # read by OPSM / DPPO-TV configs only
-        mb = distributed_rollout_correction(old, rollout, mask, cfg, ParallelGroups.single(), advantages=adv)
+        # step-level thresholds (M2PO, the adaptive IS bound): this subset as the whole step
+        resolved = resolve_step_config(cfg, [(old, rollout, mask)], ParallelGroups.single())
+        mb = distributed_rollout_correction(old, rollout, mask, resolved, ParallelGroups.single(), advantages=adv)
         schema.check(mb.partials)
 
 
@@ -177,13 +179,14 @@ def test_single_rank_equals_core(name: str) -> None:
     data = make_data()
     adv = data["advantages"]
     ref = compute_rollout_correction(data["old"], data["rollout"], data["mask"], cfg, advantages=adv)
-    mb = distributed_rollout_correction(data["old"], data["rollout"], data["mask"], cfg, ParallelGroups.single(),
+    resolved = resolve_step_config(cfg, [(data["old"], data["rollout"], data["mask"])], ParallelGroups.single())
+    mb = distributed_rollout_correction(data["old"], data["rollout"], data["mask"], resolved, ParallelGroups.single(),
                                         advantages=adv)
-    step = reduce_step([mb], cfg, ParallelGroups.single())
+    step = reduce_step([mb], resolved, ParallelGroups.single())
     assert torch.equal(mb.keep_mask, ref.keep_mask)
     torch.testing.assert_close(mb.is_weights, ref.is_weights)
     assert step.metrics == pytest.approx(ref.metrics, rel=1e-9, abs=1e-12, nan_ok=True)
-    assert reduce_step_metrics(mb.partials, cfg, ParallelGroups.single()) == pytest.approx(ref.metrics, rel=1e-9,
+    assert reduce_step_metrics(mb.partials, resolved, ParallelGroups.single()) == pytest.approx(ref.metrics, rel=1e-9,
                                                                                            abs=1e-12, nan_ok=True)
     assert mb.output.metrics == {}  # one shard's values are never offered as the step's
     assert step.num_global_tokens == ref.num_denominator_tokens
