@@ -685,7 +685,8 @@ class VllmRolloutEngine:
             self.last_refit_phases = {
                 "write": written - start,  # the trainer's side: cast and copy into the shared buffer
                 "load": time.perf_counter() - written,  # the engine's side: the RPC, the workers' load, the reset
-                "worker": max(float(r.get("seconds", 0.0)) for r in self.last_refit_report),  # inside the workers
+                # inside the workers; no reply at all (a lost sync) is left to the verification to name
+                "worker": max((float(r.get("seconds", 0.0)) for r in self.last_refit_report), default=0.0),
             }
         except RolloutEngineError:
             raise
