@@ -200,13 +200,7 @@ def cispo_loss(
     weight = ratio.clamp(ratio_low, ratio_high)
     per_token_loss = _apply_is_weights(-advantages * weight * logprobs, is_weights, keep)
     below, above = ratio < ratio_low, ratio > ratio_high
-    stats = {
-        "pg_clipfrac_sum": _count((below | above) & keep),
-        "pg_clipfrac_lower_sum": _count(below & keep),
-        "cispo_weight_sum": _sum64(weight, keep),
-        "ppo_kl_sum": _sum64(-log_ratio, keep),
-        "num_tokens": _count(keep),
-    }
+    stats = _token_stats(keep, log_ratio, below | above, below, {"cispo_weight_sum": _sum64(weight, keep)})
     return PolicyLossOutput(per_token_loss, stats)
 
 
@@ -276,13 +270,7 @@ def gmpo_loss(
     log_ratio = (logprobs - old_logprobs).detach()
     low = (advantages < 0) & (log_ratio < math.log(ratio_low))
     high = (advantages > 0) & (log_ratio > math.log(ratio_high))
-    stats = {
-        "pg_clipfrac_sum": _count((low | high) & keep),
-        "pg_clipfrac_lower_sum": _count(low & keep),
-        "gmpo_seq_ratio_sum": _sum64(seq_ratio, keep),
-        "ppo_kl_sum": _sum64(-log_ratio, keep),
-        "num_tokens": _count(keep),
-    }
+    stats = _token_stats(keep, log_ratio, low | high, low, {"gmpo_seq_ratio_sum": _sum64(seq_ratio, keep)})
     return PolicyLossOutput(per_token_loss, stats)
 
 
@@ -359,14 +347,7 @@ def vespo_loss(
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     per_token_loss = torch.where(keep, -phi * advantages * logprobs, torch.zeros_like(logprobs))
     log_ratio = (logprobs - old_logprobs).detach()
-    no_clip = torch.zeros_like(keep)
-    stats = {
-        "pg_clipfrac_sum": _count(no_clip),
-        "pg_clipfrac_lower_sum": _count(no_clip),
-        "vespo_phi_sum": _sum64(phi, keep),
-        "ppo_kl_sum": _sum64(-log_ratio, keep),
-        "num_tokens": _count(keep),
-    }
+    stats = _token_stats(keep, log_ratio, None, None, {"vespo_phi_sum": _sum64(phi, keep)})  # nothing is clipped
     return PolicyLossOutput(per_token_loss, stats)
 
 
@@ -415,12 +396,7 @@ def ppo_clip_loss(
         loss = torch.where(is_dual_clipped, dual_bound, loss)
 
     per_token_loss = _apply_is_weights(loss, is_weights, keep)
-    stats = {
-        "pg_clipfrac_sum": _count(is_clipped & keep),
-        "pg_clipfrac_lower_sum": _count(is_dual_clipped & keep),
-        "ppo_kl_sum": _sum64(-log_ratio, keep),
-        "num_tokens": _count(keep),
-    }
+    stats = _token_stats(keep, log_ratio, is_clipped, is_dual_clipped)
     return PolicyLossOutput(per_token_loss, stats)
 
 
@@ -471,12 +447,7 @@ def gspo_loss(
     loss, is_clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
 
     per_token_loss = _apply_is_weights(loss, is_weights, keep)
-    stats = {
-        "pg_clipfrac_sum": _count(is_clipped & keep),
-        "pg_clipfrac_lower_sum": _count(torch.zeros_like(keep)),
-        "ppo_kl_sum": _sum64(-log_ratio, keep),
-        "num_tokens": _count(keep),
-    }
+    stats = _token_stats(keep, log_ratio, is_clipped, None)
     return PolicyLossOutput(per_token_loss, stats)
 
 
@@ -645,3 +616,17 @@ def _count(flags: Tensor) -> Tensor:
 def _sum64(values: Tensor, keep: Tensor) -> Tensor:
     # float64 partial sums stay exact for counts and accurate for long batches once all-reduced.
     return masked_sum(values.detach().to(torch.float64), keep)
+
+
+def _token_stats(keep: Tensor, log_ratio: Tensor, clipped: Tensor | None, clipped_lower: Tensor | None,
+                 extra: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """The per-token losses' shared stats over `keep` (`[batch, seq]`): clip counts (None = never clipped), the
+    objective's own sums (`extra`), the PPO KL sum and the token count, in that order."""
+    nothing = torch.zeros_like(keep)
+    return {
+        "pg_clipfrac_sum": _count((nothing if clipped is None else clipped) & keep),
+        "pg_clipfrac_lower_sum": _count((nothing if clipped_lower is None else clipped_lower) & keep),
+        **(extra or {}),
+        "ppo_kl_sum": _sum64(-log_ratio, keep),
+        "num_tokens": _count(keep),
+    }
