@@ -228,10 +228,7 @@ def distributed_rollout_correction(
 
     Collectives: one all-gather over the CP group when cp_size > 1, none otherwise.
     """
-    if not cfg.step_thresholds_resolved:
-        raise ValueError("this config chooses thresholds from the whole step (m2po_threshold, rollout_is_target_ess): "
-                         "call "
-                         "resolve_step_config on the step's microbatches first (RolloutCorrectedPolicyLoss.for_step)")
+    _require_step_thresholds(cfg)
     if segments is not None and cfg.sequence_unit == "turn":
         k = segments.count
         inner = distributed_rollout_correction(
@@ -336,6 +333,15 @@ def _apply_batch_norm(mb: MicrobatchCorrection, mean: float, cfg: RolloutCorrect
     mb.batch_norm_pending = False
 
 
+def _require_step_thresholds(cfg: RolloutCorrectionConfig) -> None:
+    """Refuse a config whose step-level thresholds are unset: its metrics (rollout_is_p*, the M2PO cutoff) and its
+    masks would silently read the configured cap instead of the step's chosen value."""
+    if not cfg.step_thresholds_resolved:
+        raise ValueError("this config chooses thresholds from the whole step (m2po_threshold, rollout_is_target_ess): "
+                         "call resolve_step_config on the step's microbatches first "
+                         "(RolloutCorrectedPolicyLoss.for_step)")
+
+
 def reduce_step_partials(
     partials: Partials | Sequence[Partials],
     cfg: RolloutCorrectionConfig,
@@ -352,6 +358,7 @@ def reduce_step_partials(
     device: where the reduction buffers live (default: the partials' device; see
         `reduce.partials_device` for a rank without microbatches).
     """
+    _require_step_thresholds(cfg)
     merged = Partials()
     for part in [partials] if isinstance(partials, Partials) else partials:
         merged.merge(part)

@@ -183,3 +183,15 @@ def test_bypass_step_thresholds_plan_a_prepass(fields: dict[str, object]) -> Non
     decoupled = RolloutCorrectionConfig.from_dict({**cfg.to_dict(), "bypass_mode": False,
                                                    "loss_type": "ppo_clip"})
     assert denominator_strategy(decoupled, kl_penalty_on=False) == "decoupled"
+
+
+@pytest.mark.parametrize("field", [{"m2po_threshold": 0.04}, {"rollout_is_target_ess": 0.5}])
+def test_step_reductions_refuse_a_config_whose_step_thresholds_are_unresolved(field: dict[str, float]) -> None:
+    """Without the step's chosen thresholds, rollout_is_p* and the M2PO metrics would silently read the cap."""
+    from nemo_rollout_correction.distributed import ParallelGroups
+    from nemo_rollout_correction.distributed.correction import Partials, reduce_step_metrics, reduce_step_partials
+
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, **field)
+    for reduce in (reduce_step_metrics, reduce_step_partials):
+        with pytest.raises(ValueError, match="resolve_step_config"):
+            reduce(Partials(), cfg, ParallelGroups.single())
