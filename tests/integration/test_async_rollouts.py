@@ -103,11 +103,13 @@ def test_max_staleness_0_is_the_recorded_synchronous_step(tmp_path: Path) -> Non
         assert not any(key in got for key in STALENESS_KEYS)
         # the reference predates rollout.placement, whose one new deterministic metric is the engine count, and
         # prob_pearson's NaN where Pearson's r is undefined (the reference reads 0.0 there), and the first forward
-        # as old logprobs (grpo.reuse_first_forward_old_logprobs, bit-identical), which says so
+        # as old logprobs (grpo.reuse_first_forward_old_logprobs, bit-identical), which says so, and the refit's
+        # verification (rollout.verify_refit), which reads the engine's weights back and changes nothing
         pearson, want_pearson = got.pop("rollout_corr/prob_pearson"), want["rollout_corr/prob_pearson"]
         assert pearson == want_pearson or (math.isnan(pearson) and want_pearson == 0.0), (pearson, want_pearson)
         want = {k: v for k, v in want.items() if k != "rollout_corr/prob_pearson"}
-        assert deterministic(got) == {**want, "rollout/num_engines": 1.0, "optim/old_logprobs_reused": 1.0}
+        assert deterministic(got) == {**want, "rollout/num_engines": 1.0, "optim/old_logprobs_reused": 1.0,
+                                     "rollout/refit_verified": 1.0}
 
 
 @pytest.mark.slow
