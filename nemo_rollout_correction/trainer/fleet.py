@@ -162,8 +162,9 @@ class RolloutFleet:
                         if partial and cfg.rollout.max_staleness == 0 else None)
         # with async rollouts the pool lives in the pipeline's worker on the engine's rank (one engine)
         if partial and cfg.rollout.max_staleness > 0 and self.num_engines != 1:
-            raise ValueError(f"rollout.partial_max_tokens_per_step with rollout.max_staleness={cfg.rollout.max_staleness}"
-                             f" needs one engine (its worker holds the carried-over pool); got {self.num_engines} "
+            raise ValueError(f"rollout.partial_max_tokens_per_step with rollout.max_staleness="
+                             f"{cfg.rollout.max_staleness} needs one engine (its worker holds the carried-over "
+                             f"pool); got {self.num_engines} "
                              f"(rollout.placement={cfg.rollout.placement} at data-parallel size {groups.dp_size}): "
                              "set rollout.placement=rank0")
         self.partial_async = (partial_rollouts.AsyncPartialJobs(cfg, self, sampler=sampler, tokenize=tokenize,
@@ -372,7 +373,8 @@ class RolloutFleet:
     def _start_pipeline(self, step: int) -> async_rollouts.RolloutPipeline:
         """The async rollout pipeline (trainer/async_rollouts.py), queued from `step` and version `step`."""
         cfg = self.cfg.rollout
-        jobs, draw = self, self.sampler.next_batch
+        jobs: async_rollouts.EngineJobs = self
+        draw = self.sampler.next_batch
         if self.partial_async is not None:  # partial rollouts: the pool's stages are the engine jobs
             self.partial_async.start(step)
             jobs, draw = self.partial_async, self.partial_async.draw
@@ -541,8 +543,8 @@ class RolloutFleet:
             if saved is not None and saved != (self.cfg.rollout.max_staleness, self.placement_key()):
                 raise ValueError(  # the queued stages already moved the pool: they can be neither rerun nor dropped
                     f"the checkpoint {step_dir} holds partial rollouts in flight in the async pipeline (rollout."
-                    f"max_staleness={saved[0]}, engine placement {saved[1]}); resume with the same rollout.max_staleness"
-                    f" and layout (now {self.cfg.rollout.max_staleness}, {self.placement_key()})")
+                    f"max_staleness={saved[0]}, engine placement {saved[1]}); resume with the same "
+                    f"rollout.max_staleness and layout (now {self.cfg.rollout.max_staleness}, {self.placement_key()})")
             if self.partial is not None:
                 self.partial.restore(pool)
             else:

@@ -202,7 +202,9 @@ class PartialRollouts:
         rollouts.batch.seconds = self._seconds  # every engine call of the step
         trained = rollouts.batch.samples
         width = max((len(s.prompt_token_ids) + len(s.token_ids) for s in trained), default=1)
-        rollouts.metrics |= version_metrics(token_version_tensor(trained, width), step)
+        # token staleness: the trainer's, over the tokens it trains (rollout/partial.py staleness_metrics_from_sums)
+        mixed = version_metrics(token_version_tensor(trained, width), step)[names.ROLLOUT_MIXED_VERSION_FRACTION]
+        rollouts.metrics[names.ROLLOUT_MIXED_VERSION_FRACTION] = mixed
         rollouts.metrics |= {
             names.ROLLOUT_CARRIED_OVER_FRACTION: sum(s.policy_version < step for s in trained) / max(len(trained), 1),
             names.ROLLOUT_PARTIAL_FORCED_FRACTION: forced,
@@ -309,11 +311,12 @@ class AsyncPartialJobs:
         """The per-token version metrics of the samples step `step` trains on, which the job of `version` completed:
         carried over = begun by an earlier job (first token older than `version`)."""
         width = max((len(s.prompt_token_ids) + len(s.token_ids) for s in samples), default=1)
-        return version_metrics(token_version_tensor(samples, width), step) | {
-            names.ROLLOUT_CARRIED_OVER_FRACTION: sum(s.policy_version < version for s in samples) / max(len(samples), 1),
-            names.ROLLOUT_PARTIAL_FORCED_FRACTION: forced,
-            names.ROLLOUT_PARTIAL_POOL_GROUPS: float(self.in_pool),
-        }
+        versions = version_metrics(token_version_tensor(samples, width), step)  # token staleness: the trainer's
+        carried = sum(s.policy_version < version for s in samples) / max(len(samples), 1)
+        return {names.ROLLOUT_MIXED_VERSION_FRACTION: versions[names.ROLLOUT_MIXED_VERSION_FRACTION],
+                names.ROLLOUT_CARRIED_OVER_FRACTION: carried,
+                names.ROLLOUT_PARTIAL_FORCED_FRACTION: forced,
+                names.ROLLOUT_PARTIAL_POOL_GROUPS: float(self.in_pool)}
 
     # ---- the worker's jobs (engine rank, no collectives) ------------------------------------------------------
 

@@ -14,6 +14,12 @@ import pytest
 import torch
 
 from nemo_rollout_correction.config.loader import load_config
+from nemo_rollout_correction.rollout.partial import (
+    max_token_staleness,
+    staleness_metrics_from_sums,
+    staleness_mismatch_sums,
+    token_staleness,
+)
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.async_rollouts import RolloutPipeline
 from nemo_rollout_correction.trainer.data import PromptRecord
@@ -74,6 +80,16 @@ def _jobs(engine: FakeEngine, sampler: Sampler) -> AsyncPartialJobs:
                             dapo=DapoOptions.from_config(cfg), log=lambda m: None)
 
 
+def trainer_staleness(batch: RolloutBatch, step: int) -> dict[str, float]:
+    """The trainer's per-token staleness metrics of `batch` at version `step` (grpo.py -> policy_update.py ->
+    step_report.py, one process)."""
+    tensors = batch.to_tensors()
+    staleness = token_staleness(tensors["token_versions"], step)
+    sums = staleness_mismatch_sums(tensors["rollout_logprobs"], tensors["rollout_logprobs"], tensors["loss_mask"],
+                                   staleness, 1 + max_token_staleness(1, BUDGET, MAX_NEW))
+    return staleness_metrics_from_sums(sums)
+
+
 def _run(steps: int, k: int = 1) -> tuple[list[dict[str, Any]], AsyncPartialJobs, FakeEngine]:
     engine, sampler = FakeEngine(), Sampler()
     jobs = _jobs(engine, sampler)
@@ -90,7 +106,8 @@ def _run(steps: int, k: int = 1) -> tuple[list[dict[str, Any]], AsyncPartialJobs
             batch, _ = taken.local
             out.append({"step": step, "version": taken.version, "records": [r.prompt for r in records],
                         "samples": batch.samples, "forced": forced,
-                        "metrics": jobs.metrics(batch.samples, step, taken.version, forced)})
+                        "metrics": jobs.metrics(batch.samples, step, taken.version, forced)
+                        | trainer_staleness(batch, step)})
             pipeline.end_step(step, {"w": torch.zeros(1)})
     finally:
         pipeline.close()
@@ -165,6 +182,6 @@ def test_checkpoint_state_resumes_the_same_schedule() -> None:
 
 
 def test_partial_async_needs_one_engine() -> None:
-    with pytest.raises(Exception, match="rollout.placement=rank0"):
+    with pytest.raises(Exception, match=r"rollout\.placement=rank0"):
         load_config(["rollout.partial_max_tokens_per_step=6", "rollout.max_staleness=1",
                      "rollout.placement=per_dp_group"])
