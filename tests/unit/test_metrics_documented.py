@@ -97,7 +97,8 @@ def _trainer_keys() -> set[str]:
             "loglinear_sq_error_sum": 0.01, "turn_0/num_tokens": 4.0, "turn_0/sum_k3": 0.01,
             "turn_0/sum_abs_log_ratio": 0.1, "turn_1/num_tokens": 0.0, "turn_1/sum_k3": 0.0,
             "turn_1/sum_abs_log_ratio": 0.0, "lag_0/num_tokens": 4.0, "lag_0/sum_k3": 0.0,
-            "lag_0/sum_abs_log_ratio": 0.0, "lag_1/num_tokens": 4.0, "lag_1/sum_k3": 0.01, "lag_1/sum_abs_log_ratio": 0.1}
+            "lag_0/sum_abs_log_ratio": 0.0, "lag_1/num_tokens": 4.0, "lag_1/sum_k3": 0.01,
+            "lag_1/sum_abs_log_ratio": 0.1}
     update = Update(plan=StepPlan("rollout_only", None, None, {}), result=StepResult(sums, {}),
                     applied=UpdateResult(grad_norm=1.0, lr=1e-3, loss_scale=1.0, skipped=False))
     timer = StepTimer()
