@@ -57,11 +57,6 @@ class LocalGenerator(Protocol):
         """`n` samples of up to `max_tokens` per prompt from this rank's engine, prompt i seeded `seed + i * n`."""
         ...
 
-    def generate_local(self, records: list[PromptRecord], step: int,
-                       attempt: int = 0) -> tuple[RolloutBatch, list[float]] | None:
-        """Whole responses of `records`, scored (a DAPO refill)."""
-        ...
-
     def push_weights(self, weights: dict[str, Tensor]) -> float:
         """Load `weights` into this rank's engine."""
         ...
@@ -266,7 +261,7 @@ class AsyncPartialJobs:
 
     Args:
         cfg: the run's config.
-        fleet: this rank's engine (`generate_here`, `generate_local`, `push_weights`).
+        fleet: this rank's engine (`generate_here`, `push_weights`).
         sampler: the step prompts (drawn on every rank, main thread).
         detokenize: a response's text from its token ids, as vLLM decodes it.
         reward_fn: the task's reward function (scored in the worker, like `RolloutFleet.generate_local`).
@@ -325,13 +320,13 @@ class AsyncPartialJobs:
         """Step `step`'s job: one stage of the pool under the engine's version with `records` as the new prompts
         (attempt 0), or a DAPO refill of whole responses (attempt k > 0, stamped with the engine's version)."""
         version = self.engine_version
-        if attempt:
-            local = self.fleet.generate_local(records, step, attempt)
-            if local is None:
-                return None
-            batch, rewards = local
-            return RolloutBatch([stamp_new(s, version) for s in batch.samples], n=batch.n,
-                                seconds=batch.seconds), rewards
+        if attempt:  # whole responses under the engine's version, with the refill attempt's seeds
+            seed = request_seed(self.cfg.rollout_seed, step, attempt, len(records), self.n)
+            batch = self.fleet.generate_here([self.tokenize(r) for r in records], self.n,
+                                             self.cfg.rollout.max_new_tokens, seed)
+            refill = [dataclasses.replace(stamp_new(s, version), text=self.detokenize(s.token_ids))
+                      for s in batch.samples]  # scored on the decode of the token ids, as the pool's are
+            return RolloutBatch(refill, n=self.n, seconds=batch.seconds), self._score(records, refill)
         pool, n, seconds = self.pool, self.n, 0.0
 
         def generate(prompts: list[list[int]], count: int, max_tokens: int, seed: int) -> RolloutBatch:
@@ -353,11 +348,14 @@ class AsyncPartialJobs:
         trained = [g.record for g in groups]
         samples = [dataclasses.replace(s, prompt_index=i, text=self.detokenize(s.token_ids))
                    for i, g in enumerate(groups) for s in g.samples]
-        per_sample = [trained[s.prompt_index] for s in samples]
-        rewards = score(self.reward_fn, [r.prompt for r in per_sample], [s.text for s in samples], per_sample,
-                        [len(s.token_ids) for s in samples])
         self.trained[step] = (trained, sum(g.forced for g in groups) / len(groups))
-        return RolloutBatch(samples, n=n, seconds=seconds), rewards
+        return RolloutBatch(samples, n=n, seconds=seconds), self._score(trained, samples)
+
+    def _score(self, records: list[PromptRecord], samples: list[RolloutSample]) -> list[float]:
+        """The task rewards of `samples` (`prompt_index` into `records`), here on the engine's rank."""
+        per_sample = [records[s.prompt_index] for s in samples]
+        return score(self.reward_fn, [r.prompt for r in per_sample], [s.text for s in samples], per_sample,
+                     [len(s.token_ids) for s in samples])
 
     def push_weights(self, weights: dict[str, Tensor]) -> float:
         """Load the next version into the engine (the worker's FIFO: the jobs after it generate with it)."""

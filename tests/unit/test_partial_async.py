@@ -47,11 +47,6 @@ class FakeEngine:
                                              text="x"))
         return RolloutBatch(samples, n=n, seconds=0.0)
 
-    def generate_local(self, records: list[PromptRecord], step: int,
-                       attempt: int = 0) -> tuple[RolloutBatch, list[float]] | None:
-        batch = self.generate_here([[1, 2]] * len(records), N, MAX_NEW, 0)
-        return batch, [0.0] * len(batch.samples)
-
     def push_weights(self, weights: dict[str, torch.Tensor]) -> float:
         self.version += 1
         return 0.0
@@ -185,3 +180,21 @@ def test_partial_async_needs_one_engine() -> None:
     with pytest.raises(Exception, match=r"rollout\.placement=rank0"):
         load_config(["rollout.partial_max_tokens_per_step=6", "rollout.max_staleness=1",
                      "rollout.placement=per_dp_group"])
+
+
+def test_a_dapo_refill_is_whole_responses_of_the_engine_version_scored_on_their_decode() -> None:
+    engine, sampler = FakeEngine(), Sampler()
+    jobs = _jobs(engine, sampler)
+    jobs.start(0)
+    jobs.push_weights({})
+    jobs.push_weights({})
+    records = sampler.next_batch()
+    local = jobs.generate_local(records, step=2, attempt=1)
+    assert local is not None
+    batch, rewards = local
+    assert len(batch.samples) == len(rewards) == PROMPTS * N
+    assert engine.calls[-1] == (PROMPTS, MAX_NEW, 2)  # whole responses under the engine's version
+    for s in batch.samples:
+        assert s.token_versions == [2] * MAX_NEW and s.policy_version == 2
+        assert s.text == " ".join(map(str, s.token_ids))  # the detokenizer's text, not the engine's
+    assert jobs.pool.groups == [] and jobs.trained == {}  # a refill leaves the pool alone
