@@ -7,7 +7,10 @@
   behaviour logprob (tests/integration/partial_rollouts_worker.py).
 - A run checkpointed at step 2 with carried-over (unfinished) responses in the checkpoint and resumed equals the
   uninterrupted run on every metric of steps 3-4.
-- torchrun DP=2 with an engine per data-parallel group follows the one-process run (same tokens and versions).
+- torchrun DP=2 with an engine per data-parallel group follows the one-process run (same tokens and versions), and
+  so do TP=2 and CP=2 with one engine.
+- With async rollouts (rollout.max_staleness=1): the same token-by-token check, and an exact resume with in-flight
+  batches and carried-over responses.
 
 Both are slow (several minutes each on the shared 2-core machine).
 """
@@ -127,6 +130,29 @@ def test_two_data_parallel_ranks_with_an_engine_each_follow_the_one_process_run(
             assert a[key] == b[key], (a["step"], key)
         for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "loss/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_tensor_and_context_parallel_follow_the_one_process_run(
+        straight: list[dict[str, Any]], tmp_path: Path, layout: str) -> None:
+    """torchrun TP=2 or CP=2 (gloo), one engine on rank 0 (placement rank0 at data-parallel size 1): every rank
+    holds the same pool; the trained tokens and their versions are the one-process run's, and the trainer's
+    per-token staleness (the token_versions tensor, sharded by CP) matches it. Token ids and versions exactly;
+    losses to the round-off of the sharded matmuls."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not found")
+    out = tmp_path / layout
+    proc = nrc(out, f"parallelism={layout}", "run.num_steps=4",
+               launcher=[str(torchrun), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"])
+    assert "placement rank0" in proc.stderr
+    for a, b in zip(straight, read_metrics(out), strict=True):
+        for key in ("perf/num_generated_tokens", "reward/mean", "rollout/token_staleness_mean",
+                    "rollout/token_staleness_max", "rollout/mixed_version_fraction", "rollout/carried_over_fraction",
+                    "rollout/partial_pool_groups", "rollout_corr/lag_1/num_tokens"):
+            assert a[key] == b[key], (a["step"], key)
+        for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/lag_0/k3_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (a["step"], key)
 
 
 # ---- partial rollouts inside the async pipeline (rollout.max_staleness >= 1; trainer/partial_rollouts.py) -----------
