@@ -50,8 +50,8 @@ class MismatchAlertConfig:
         None, "Your model's healthy max |dlogp| (from nrc audit) for factor_over_floor; null: the built-in table.")
     strict: bool = _help(False, "Stop the run with an error (MLflow run FAILED) at the first step that fires.")
     lag_reference_steps: int = _help(
-        3, "Async / partial rollouts: factor_over_floor holds tokens L >= 1 versions old to factor x the run's own "
-           "lag-L k3 (the least of its first this many steps with such tokens), not to the on-policy floor.")
+        3, "Async / partial rollouts: factor_over_floor holds tokens L >= 1 versions old to factor x the least "
+           "lag-L k3 of the run's earlier steps (checked once this many steps had such tokens), not to the floor.")
 
     def __post_init__(self) -> None:
         for name in ("factor_over_floor", *ALERT_THRESHOLDS, "floor_k3_kl", "floor_max_abs_log_ratio"):

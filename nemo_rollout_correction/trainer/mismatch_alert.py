@@ -20,9 +20,10 @@ the step's `rollout_corr/lag_<L>/*`, computed by the trainer from the per-token 
 engine/trainer floor plus the policy's drift over L updates, which the floors do not cover. There the floor rule
 (`factor_over_floor`) applies per staleness instead of to the whole step: the lag-0 tokens' k3
 (`rollout_corr/lag_0/k3_kl`) against factor x floor, and the lag-L tokens' k3 against factor x max(floor, the run's
-own lag-L reference), the least lag-L k3 of the first `lag_reference_steps` steps that had lag-L tokens (measured,
-not checked). A lost or stopped sync makes a token labelled L versions old really older, so its k3 climbs past the
-reference; the intended lag stays at it. max |dlogp| has no per-staleness split, so its floor rule is off on lagged
+own lag-L reference), the least lag-L k3 of the earlier steps, once `lag_reference_steps` steps had lag-L tokens
+(those first steps only measure). A lost or stopped sync makes a token labelled L versions old really older, so its
+k3 climbs away from the least value seen; the intended lag stays near it (one update's drift shrinks as training
+settles). max |dlogp| has no per-staleness split, so its floor rule is off on lagged
 steps; absolute thresholds apply to the whole step's statistics as always (docs/acceptable_mismatch.md).
 
 The metrics are those every mode computes: decoupled (`old_logprobs` vs `rollout_logprobs`), bypass (the first
@@ -175,9 +176,10 @@ class MismatchAlarm:
                 self.over_floor[name] = (cfg.factor_over_floor * floor, floor)
             if candidates:
                 self.thresholds[name] = min(candidates, key=lambda c: c[0])
-        # async lag: per staleness L >= 1, the least k3 of the first `lag_reference_steps` steps with lag-L tokens
+        # async lag: per staleness L >= 1, the least k3 of the steps with lag-L tokens so far, its step, their count
         self.lag_reference: dict[int, float] = {}
-        self.lag_reference_steps: dict[int, list[int]] = {}
+        self.lag_reference_step: dict[int, int] = {}
+        self.lag_steps: dict[int, int] = {}
         self.first_step: int | None = None
         self.num_steps = 0
         self._pending: list[Alert] = []  # the alerts of the step being published
@@ -217,21 +219,20 @@ class MismatchAlarm:
             if lag == 0:
                 if k3 > limit:
                     out.append(Alert(step, name, k3, limit, floor, self.setting))
-            elif len(self.lag_reference_steps.get(lag, [])) >= self.cfg.lag_reference_steps:
+            elif self.lag_steps.get(lag, 0) >= self.cfg.lag_reference_steps:
                 reference = max(floor, self.lag_reference[lag])
                 if k3 > factor * reference:
-                    steps = self.lag_reference_steps[lag]
                     out.append(Alert(step, name, k3, factor * reference, reference, self.setting,
-                                     basis=f"the run's lag-{lag} reference (least of steps {steps[0]}-{steps[-1]})"))
+                                     basis=f"the run's least lag-{lag} k3 (step {self.lag_reference_step[lag]})"))
         return out
 
     def _measure_lag_references(self, step: int, metrics: Mapping[str, float]) -> None:
-        """The first `lag_reference_steps` steps with lag-L tokens set the run's lag-L reference (their least k3)."""
+        """Every step with lag-L tokens updates the run's lag-L reference: the least lag-L k3 so far."""
         for lag, (k3, count) in lag_values(metrics).items():
-            steps = self.lag_reference_steps.setdefault(lag, [])
-            if lag > 0 and count > 0 and not math.isnan(k3) and len(steps) < self.cfg.lag_reference_steps:
-                self.lag_reference[lag] = min(self.lag_reference.get(lag, math.inf), k3)
-                steps.append(step)
+            if lag > 0 and count > 0 and not math.isnan(k3):
+                self.lag_steps[lag] = self.lag_steps.get(lag, 0) + 1
+                if k3 < self.lag_reference.get(lag, math.inf):
+                    self.lag_reference[lag], self.lag_reference_step[lag] = k3, step
 
     def check_step(self, step: int, metrics: dict[str, float], observer: Any) -> None:
         """Check step `step` (every rank, collective under `strict`): adds `alert/mismatch` to `metrics`, warns
