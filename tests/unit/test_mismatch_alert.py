@@ -203,3 +203,14 @@ def test_lagged_steps_hold_fresh_tokens_to_the_floor_and_keep_absolute_threshold
     assert [x.name for x in b.check(2, lagged({0: 0.0, 1: 1e-2}, overall=6e-2))] == ["k3_kl"]
     with pytest.raises(ValueError, match="lag_reference_steps=0"):
         MismatchAlertConfig(factor_over_floor=10, lag_reference_steps=0)
+
+
+def test_the_measured_tiny_llama_lost_push_fires_at_factor_3_and_its_healthy_run_does_not() -> None:
+    """The lag-1 k3 of tests/integration/test_mismatch_alert_async.py's two runs (fp32, k = 1), steps 1-7."""
+    healthy = [1.85e-2, 8.88e-3, 4.26e-3, 3.84e-3, 1.86e-3, 1.69e-3]
+    lost = [1.85e-2, 3.32e-2, 4.52e-2, 4.44e-2, 5.38e-2, 6.30e-2]
+    first = lagged({0: 2.9e-14}, dlogp=1e-6)
+    assert run_steps(alarm(factor_over_floor=3, lag_reference_steps=2),
+                     [first] + [lagged({1: k}) for k in healthy]) == [0.0] * 7
+    assert run_steps(alarm(factor_over_floor=3, lag_reference_steps=2),
+                     [first] + [lagged({1: k}) for k in lost]) == [0.0] * 6 + [1.0]
