@@ -49,6 +49,9 @@ class MismatchAlertConfig:
     floor_max_abs_log_ratio: float | None = _help(
         None, "Your model's healthy max |dlogp| (from nrc audit) for factor_over_floor; null: the built-in table.")
     strict: bool = _help(False, "Stop the run with an error (MLflow run FAILED) at the first step that fires.")
+    lag_reference_steps: int = _help(
+        3, "Async / partial rollouts: factor_over_floor holds tokens L >= 1 versions old to factor x the least "
+           "lag-L k3 of the run's earlier steps (checked once this many steps had such tokens), not to the floor.")
 
     def __post_init__(self) -> None:
         for name in ("factor_over_floor", *ALERT_THRESHOLDS, "floor_k3_kl", "floor_max_abs_log_ratio"):
@@ -59,6 +62,9 @@ class MismatchAlertConfig:
         if self.factor_over_floor is not None and self.factor_over_floor < 1:
             raise ValueError(f"alert.factor_over_floor={self.factor_over_floor!r} is not allowed: must be >= 1 "
                              "(a healthy run sits at its floor)")
+        if (isinstance(self.lag_reference_steps, bool) or not isinstance(self.lag_reference_steps, int)
+                or self.lag_reference_steps < 1):
+            raise ValueError(f"alert.lag_reference_steps={self.lag_reference_steps!r} is not allowed: an integer >= 1")
         if not isinstance(self.strict, bool):
             raise ValueError(f"alert.strict must be true or false, got {self.strict!r}")
 

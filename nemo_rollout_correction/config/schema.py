@@ -600,10 +600,10 @@ class TrainConfig:
 def _check_partial_rollouts(cfg: TrainConfig) -> None:
     """Refuse what partial rollouts cannot be made correct with (docs/rollout.md, "Partial rollouts")."""
     key = f"rollout.partial_max_tokens_per_step={cfg.rollout.partial_max_tokens_per_step}"
-    if cfg.rollout.max_staleness:
-        raise ConfigError(f"{key} with rollout.max_staleness={cfg.rollout.max_staleness}: partial rollouts run in the "
-                          "synchronous step only (the async pipeline does not carry responses over yet); set "
-                          "rollout.max_staleness=0 or rollout.partial_max_tokens_per_step=0")
+    if cfg.rollout.max_staleness and cfg.rollout.placement == "per_dp_group":
+        raise ConfigError(f"{key} with rollout.max_staleness={cfg.rollout.max_staleness} and rollout.placement="
+                          "per_dp_group: with async rollouts the carried-over pool lives in the worker of the one "
+                          "engine; set rollout.placement=rank0 (or auto at data-parallel size 1)")
     if cfg.rollout.routing_replay != "none":
         raise ConfigError(f"{key} with rollout.routing_replay={cfg.rollout.routing_replay}: a continued response is "
                           "re-prefilled under the new weights, so the captured routing of its earlier tokens would "

@@ -30,22 +30,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from nemo_rollout_correction.core.segments import turn_mismatch_sums
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
 
 __all__ = [
     "ContinueRequest",
     "PartialGroup",
     "PartialPool",
+    "max_token_staleness",
     "merge_continuation",
     "num_stages",
+    "staleness_metrics_from_sums",
+    "staleness_mismatch_sums",
     "stamp_new",
+    "token_staleness",
     "token_version_tensor",
     "version_metrics",
 ]
@@ -309,3 +314,59 @@ def version_metrics(versions: Tensor, step: int) -> dict[str, float]:
     return {"rollout/mixed_version_fraction": float(mixed),
             "rollout/token_staleness_mean": float(staleness.mean()),
             "rollout/token_staleness_max": float(staleness.max())}
+
+
+# ---- per-token staleness in the trainer's step tensors -----------------------------------------------------------
+# `RolloutBatch.to_tensors()["token_versions"]` `[batch, seq]` carries each token's version into the step; the
+# trainer turns it into staleness (`token_staleness`), cuts and shards it with the other token tensors (DP rows, CP
+# chunks) and sums, per staleness, the mismatch of the tokens it trains (`staleness_mismatch_sums`, reduced over
+# dp x cp with the step's other sums). `rollout/token_staleness_*` and `rollout_corr/lag_<L>/*` come from those sums,
+# so they describe exactly the tokens the loss sees, under any layout.
+
+
+def max_token_staleness(max_staleness: int, budget: int, max_new_tokens: int) -> int:
+    """The largest staleness a trained token can have: k (`rollout.max_staleness`) plus, with partial rollouts
+    (`budget` B > 0), the stages - 1 earlier steps a carried response began in."""
+    return max_staleness + (num_stages(max_new_tokens, budget) - 1 if budget else 0)
+
+
+def token_staleness(versions: Tensor, trainer_version: int) -> Tensor:
+    """`[batch, seq]` int64: `trainer_version` minus the version that sampled each response token (`versions`, -1
+    outside responses, as `token_version_tensor` lays it out); -1 outside responses."""
+    return torch.where(versions >= 0, trainer_version - versions, torch.full_like(versions, -1))
+
+
+def staleness_mismatch_sums(reference_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
+                            staleness: Tensor, num_lags: int) -> dict[str, float]:
+    """Per staleness L < `num_lags` (a larger one counts as `num_lags - 1`): the partial sums behind
+    `rollout_corr/lag_<L>/*` and `rollout/token_staleness_*` over this shard's trained tokens.
+
+    reference_logprobs: `[batch, seq]` the trainer's pi_old (bypass: the loss pass's logprobs); rollout_logprobs:
+    `[batch, seq]` the behaviour logprobs; loss_mask: `[batch, seq]`; staleness: `[batch, seq]` (`token_staleness`).
+    Keys `lag_<L>/num_tokens`, `lag_<L>/sum_k3`, `lag_<L>/sum_abs_log_ratio` for every L (zeros where none), so every
+    rank sends the same keys; sums over microbatches and ranks add. Non-finite log-ratios are left out (the
+    correction's non-finite metrics count them).
+    """
+    lags = torch.where(staleness >= 0, staleness.clamp(max=num_lags - 1), torch.full_like(staleness, -1))
+    sums = turn_mismatch_sums(reference_logprobs, rollout_logprobs, loss_mask, lags, num_lags)
+    return {"lag_" + key.removeprefix("turn_"): value for key, value in sums.items()}
+
+
+def staleness_metrics_from_sums(sums: Mapping[str, float]) -> dict[str, float]:
+    """From a step's reduced `staleness_mismatch_sums`: `rollout/token_staleness_mean` / `_max` over the trained
+    tokens, and per staleness L `rollout_corr/lag_<L>/k3_kl` (mean k3 = rho - 1 - log rho), `/log_ratio_abs_mean`
+    and `/num_tokens`. Empty when `sums` has none."""
+    lags = sorted(int(key.split("/")[0].removeprefix("lag_")) for key in sums
+                  if key.startswith("lag_") and key.endswith("/num_tokens"))
+    if not lags:
+        return {}
+    counts = {lag: float(sums[f"lag_{lag}/num_tokens"]) for lag in lags}
+    total = sum(counts.values())
+    out = {"rollout/token_staleness_mean": sum(lag * c for lag, c in counts.items()) / max(total, 1.0),
+           "rollout/token_staleness_max": float(max((lag for lag in lags if counts[lag] > 0), default=0))}
+    for lag in lags:
+        out[f"rollout_corr/lag_{lag}/num_tokens"] = counts[lag]
+        out[f"rollout_corr/lag_{lag}/k3_kl"] = float(sums[f"lag_{lag}/sum_k3"]) / max(counts[lag], 1.0)
+        out[f"rollout_corr/lag_{lag}/log_ratio_abs_mean"] = (float(sums[f"lag_{lag}/sum_abs_log_ratio"])
+                                                             / max(counts[lag], 1.0))
+    return out

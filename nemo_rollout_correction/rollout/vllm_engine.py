@@ -176,7 +176,9 @@ class RolloutBatch:
         Returns (S = samples, L = longest prompt + response):
           input_ids `[S, L]` int64; position t of the `[S, L - 1]` tensors scores `input_ids[:, t + 1]`:
           rollout_logprobs `[S, L - 1]` float32 (0 outside responses, and in every row of a sample shared without
-          its logprobs: `logprobs == []`), loss_mask `[S, L - 1]` bool (response tokens),
+          its logprobs: `logprobs == []`), loss_mask `[S, L - 1]` bool (response tokens), token_versions
+          `[S, L - 1]` int64 (the policy version that sampled each response token: `token_versions`, else
+          `policy_version`; -1 outside responses),
           response_lengths `[S]`, prompt_lengths `[S]`;
           when any sample is multi-turn (`turn_ids`) also turn_index `[S, L - 1]` int64 (the turn of each sampled
           token, -1 elsewhere) and observation_mask `[S, L - 1]` bool (observation tokens: out of loss_mask);
@@ -190,11 +192,16 @@ class RolloutBatch:
         input_ids = torch.full((count, width), pad_token_id, dtype=torch.int64)
         rollout_logprobs = torch.zeros(count, max(width - 1, 0), dtype=torch.float32)
         loss_mask = torch.zeros(count, max(width - 1, 0), dtype=torch.bool)
+        token_versions = torch.full((count, max(width - 1, 0)), -1, dtype=torch.int64)
         for row, sample in enumerate(self.samples):
             p, r = len(sample.prompt_token_ids), len(sample.token_ids)
             input_ids[row, :p] = torch.tensor(sample.prompt_token_ids, dtype=torch.int64)
             if r:
                 input_ids[row, p:p + r] = torch.tensor(sample.token_ids, dtype=torch.int64)
+                if sample.token_versions and len(sample.token_versions) != r:
+                    raise ValueError(f"sample {row}: {len(sample.token_versions)} token versions for {r} tokens")
+                versions = sample.token_versions or [sample.policy_version] * r
+                token_versions[row, p - 1:p - 1 + r] = torch.tensor(versions, dtype=torch.int64)
                 if sample.logprobs:  # empty: shared without them (another data-parallel group trains this row)
                     rollout_logprobs[row, p - 1:p - 1 + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
                 loss_mask[row, p - 1:p - 1 + r] = True
@@ -206,6 +213,7 @@ class RolloutBatch:
             "input_ids": input_ids,
             "rollout_logprobs": rollout_logprobs,
             "loss_mask": loss_mask,
+            "token_versions": token_versions,
             "response_lengths": torch.tensor([len(s.token_ids) for s in self.samples], dtype=torch.int64),
             "prompt_lengths": torch.tensor([len(s.prompt_token_ids) for s in self.samples], dtype=torch.int64),
         }

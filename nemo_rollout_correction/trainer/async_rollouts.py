@@ -108,11 +108,14 @@ class TakenBatch:
 
 
 def stamp_version(local: LocalRollouts | None, version: int) -> LocalRollouts | None:
-    """`local` with every sample's `policy_version` set (it travels with the sample through `share_rollouts`)."""
+    """`local` with every sample's `policy_version` set (it travels with the sample through `share_rollouts`).
+
+    A sample with per-token versions (partial rollouts, trainer/partial_rollouts.py `AsyncPartialJobs`) keeps the
+    version of its first token, which an earlier job may have sampled."""
     if local is None:
         return None
     batch, rewards = local
-    samples = [dataclasses.replace(s, policy_version=version) for s in batch.samples]
+    samples = [s if s.token_versions else dataclasses.replace(s, policy_version=version) for s in batch.samples]
     return RolloutBatch(samples, n=batch.n, seconds=batch.seconds), rewards
 
 

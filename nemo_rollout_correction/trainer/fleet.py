@@ -155,10 +155,22 @@ class RolloutFleet:
             self.engine = open_engine(cfg.rollout.source, cfg.rollout.record_dir, options, self.engine_index or 0)
             log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         # partial rollouts (rollout.partial_max_tokens_per_step > 0; trainer/partial_rollouts.py): the carried pool
+        partial = cfg.rollout.partial_max_tokens_per_step > 0
         self.partial = (partial_rollouts.PartialRollouts(cfg, runtime, self, sampler=sampler, tokenize=tokenize,
                                                          detokenize=partial_rollouts.detokenizer(hf_dir),
                                                          reward_fn=task.reward_fn, dapo=self.dapo, log=log)
-                        if cfg.rollout.partial_max_tokens_per_step else None)
+                        if partial and cfg.rollout.max_staleness == 0 else None)
+        # with async rollouts the pool lives in the pipeline's worker on the engine's rank (one engine)
+        if partial and cfg.rollout.max_staleness > 0 and self.num_engines != 1:
+            raise ValueError(f"rollout.partial_max_tokens_per_step with rollout.max_staleness="
+                             f"{cfg.rollout.max_staleness} needs one engine (its worker holds the carried-over "
+                             f"pool); got {self.num_engines} "
+                             f"(rollout.placement={cfg.rollout.placement} at data-parallel size {groups.dp_size}): "
+                             "set rollout.placement=rank0")
+        self.partial_async = (partial_rollouts.AsyncPartialJobs(cfg, self, sampler=sampler, tokenize=tokenize,
+                                                                detokenize=partial_rollouts.detokenizer(hf_dir),
+                                                                reward_fn=task.reward_fn, dapo=self.dapo, log=log)
+                              if partial and cfg.rollout.max_staleness > 0 else None)
         # held-out evaluation on the engine rank (trainer/evaluation.py)
         self.evaluator = evaluation.build_evaluator(cfg, task, tokenize) if runtime.is_main else None
 
@@ -253,17 +265,7 @@ class RolloutFleet:
         """Collective: `n` samples of up to `max_tokens` tokens per prompt (prompt i seeded `seed + i * n`), whole
         (logprobs included) on every rank, in prompt order; the engines split the prompts as `generate_local` does.
         Partial rollouts' calls (trainer/partial_rollouts.py): every rank keeps the same carried-over pool."""
-        local: RolloutBatch | None = None
-        if self.engine is not None and self.engine_index is not None:
-            shard = prompt_shard(len(prompts), self.num_engines, self.engine_index)
-            local = RolloutBatch([], n=n, seconds=0.0)
-            if shard:
-                sampling = dataclasses.replace(self.sampling, n=n, max_tokens=max_tokens)
-                self.engine.wake_up()  # GPU sleep mode (a no-op on CPU)
-                local = self.engine.generate([prompts[i] for i in shard], sampling, seed=seed + shard.start * n)
-                self.engine.sleep()
-                for sample in local.samples:
-                    sample.prompt_index += shard.start
+        local = self.generate_here(prompts, n, max_tokens, seed) if self.engine is not None else None
         if self.placement == "rank0":
             shared, refit = broadcast_rollouts(local, self.push_seconds)
             self.engine_refit_seconds = (refit,)
@@ -274,6 +276,20 @@ class RolloutFleet:
         shared, extras = gather_rollouts(mine, self.push_seconds)
         self.engine_refit_seconds = tuple(extras)
         return shared
+
+    def generate_here(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> RolloutBatch:
+        """No collectives (engine rank): this engine's share of `generate_shared`'s samples, in prompt order."""
+        assert self.engine is not None and self.engine_index is not None, "generate_here runs on an engine rank"
+        shard = prompt_shard(len(prompts), self.num_engines, self.engine_index)
+        local = RolloutBatch([], n=n, seconds=0.0)
+        if shard:
+            sampling = dataclasses.replace(self.sampling, n=n, max_tokens=max_tokens)
+            self.engine.wake_up()  # GPU sleep mode (a no-op on CPU)
+            local = self.engine.generate([prompts[i] for i in shard], sampling, seed=seed + shard.start * n)
+            self.engine.sleep()
+            for sample in local.samples:
+                sample.prompt_index += shard.start
+        return local
 
     def share_rollouts(self, local: tuple[RolloutBatch, list[float]] | None) -> tuple[RolloutBatch, list[float]]:
         """Collective: every engine's (batch, rewards) on every rank of the job, in prompt order.
@@ -357,8 +373,13 @@ class RolloutFleet:
     def _start_pipeline(self, step: int) -> async_rollouts.RolloutPipeline:
         """The async rollout pipeline (trainer/async_rollouts.py), queued from `step` and version `step`."""
         cfg = self.cfg.rollout
+        jobs: async_rollouts.EngineJobs = self
+        draw = self.sampler.next_batch
+        if self.partial_async is not None:  # partial rollouts: the pool's stages are the engine jobs
+            self.partial_async.start(step)
+            jobs, draw = self.partial_async, self.partial_async.draw
         pipeline = async_rollouts.RolloutPipeline(
-            self, self.sampler.next_batch, max_staleness=cfg.max_staleness,
+            jobs, draw, max_staleness=cfg.max_staleness,
             stale_policy=cfg.stale_policy, samples_per_prompt=cfg.num_samples_per_prompt,
             has_engine=self.engine is not None, log=self.log)
         restored, regenerate = self._restored or ([], False)
@@ -378,6 +399,10 @@ class RolloutFleet:
         start = time.perf_counter()
         taken = pipeline.take(step)
         waited = time.perf_counter() - start
+        forced = 0.0
+        if self.partial_async is not None:  # the step trains the pool's complete groups, not the job's new prompts
+            records, forced = self.partial_async.taken(step, self.engine is not None)
+            taken = dataclasses.replace(taken, records=records)
 
         def generate_and_score(records: list[PromptRecord], attempt: int) -> tuple[RolloutBatch, list[float]]:
             nonlocal waited
@@ -392,6 +417,8 @@ class RolloutFleet:
         rollouts = collect_step_rollouts(taken.records, self.sampler, generate_and_score, self.dapo)
         versions = [s.policy_version for s in rollouts.batch.samples]
         rollouts.metrics |= async_rollouts.staleness_metrics(versions, step, taken.num_dropped_samples)
+        if self.partial_async is not None:
+            rollouts.metrics |= self.partial_async.metrics(rollouts.batch.samples, step, taken.version, forced)
         # the engine's own generation seconds (it ran beside training): tokens/s stays the engine's throughput
         return rollouts, {"rollout_wait": waited, "generation": rollouts.batch.seconds}
 
@@ -481,7 +508,10 @@ class RolloutFleet:
         if self.pipeline is None:
             return None
         self.pipeline.drain()
-        return {**self.pipeline.state(self.num_engines), "placement": self.placement_key()}
+        state = {**self.pipeline.state(self.num_engines), "placement": self.placement_key()}
+        if self.partial_async is not None and self.engine is not None:  # the pool after every queued job
+            state["partial_async"] = self.partial_async.state()
+        return state
 
     def save_state(self, step_dir: Path, state: dict[str, Any] | None) -> None:
         """Write `state()` to `<step_dir>/async_rollouts/rank_<r>.pt` (every rank; collective: ends in a barrier
@@ -492,6 +522,9 @@ class RolloutFleet:
             partial_rollouts.save_state(step_dir, state["partial"], is_main=self.runtime.is_main)
             barrier()
             return
+        if "partial_async" in state:  # the engine's rank (rank 0) holds the pool
+            state = dict(state)
+            partial_rollouts.save_state(step_dir, state.pop("partial_async"), is_main=True)
         path = async_rollouts.pending_file(step_dir, self.runtime.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
@@ -504,12 +537,22 @@ class RolloutFleet:
         Under another engine placement they are regenerated with the checkpoint's weights (not exact then).
         """
         pool = partial_rollouts.load_state(step_dir)
-        if pool is not None and self.partial is not None:
-            self.partial.restore(pool)
+        shared = async_rollouts.load_pending(step_dir, 0)
+        if pool is not None and (self.partial is not None or self.partial_async is not None):
+            saved = None if shared is None else (shared.get("max_staleness"), shared.get("placement"))
+            if saved is not None and saved != (self.cfg.rollout.max_staleness, self.placement_key()):
+                raise ValueError(  # the queued stages already moved the pool: they can be neither rerun nor dropped
+                    f"the checkpoint {step_dir} holds partial rollouts in flight in the async pipeline (rollout."
+                    f"max_staleness={saved[0]}, engine placement {saved[1]}); resume with the same "
+                    f"rollout.max_staleness and layout (now {self.cfg.rollout.max_staleness}, {self.placement_key()})")
+            if self.partial is not None:
+                self.partial.restore(pool)
+            else:
+                assert self.partial_async is not None
+                self.partial_async.restore(pool)
         elif pool is not None:
             self.log(f"[nrc train] partial rollouts are off: the checkpoint's {len(pool['groups'])} carried-over "
                      "groups are dropped with their prompts")
-        shared = async_rollouts.load_pending(step_dir, 0)
         if shared is None:
             return
         regenerate = shared.get("placement") != self.placement_key()

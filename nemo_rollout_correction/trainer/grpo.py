@@ -69,6 +69,7 @@ from nemo_rollout_correction.distributed.runtime import Runtime, barrier
 from nemo_rollout_correction.models.hf_export import export_hf
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import resolve_model_source
+from nemo_rollout_correction.rollout.partial import token_staleness
 from nemo_rollout_correction.trainer import checkpoint as ckpt
 from nemo_rollout_correction.trainer import console, evaluation, preemption, routing_replay
 from nemo_rollout_correction.trainer.console import StepProgress
@@ -262,6 +263,8 @@ class GrpoTrainer:
                                                                          self.fleet.dapo)
             if self.fleet.pipeline is not None:
                 tensors["staleness"] = torch.tensor([self.step_index - s.policy_version for s in batch.samples])
+            if self.fleet.pipeline is not None or self.fleet.partial is not None:  # per token (rollout/partial.py)
+                tensors["token_staleness"] = token_staleness(tensors["token_versions"], self.step_index)
             extra = {**rollouts.metrics, **filter_metrics}
             if rollouts.skip_update:  # no group to learn from: no optimizer step (Adam would still move weights)
                 if self.fleet.pipeline is not None:  # the schedule goes on: version s + 1 (unchanged weights)

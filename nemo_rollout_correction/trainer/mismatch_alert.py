@@ -15,6 +15,17 @@ or the user's `floor_*` (their model's `nrc audit`). A firing step:
   at the same step (one 1-element all-reduce, as the preemption check), so the run closes FAILED with the
   message as its `nrc.error`.
 
+Under async lag (a step that trains tokens sampled L >= 1 versions before the trainer's, async or partial rollouts:
+the step's `rollout_corr/lag_<L>/*`, computed by the trainer from the per-token versions), a token's mismatch is the
+engine/trainer floor plus the policy's drift over L updates, which the floors do not cover. There the floor rule
+(`factor_over_floor`) applies per staleness instead of to the whole step: the lag-0 tokens' k3
+(`rollout_corr/lag_0/k3_kl`) against factor x floor, and the lag-L tokens' k3 against factor x max(floor, the run's
+own lag-L reference), the least lag-L k3 of the earlier steps, once `lag_reference_steps` steps had lag-L tokens
+(those first steps only measure). A lost or stopped sync makes a token labelled L versions old really older, so its
+k3 climbs away from the least value seen; the intended lag stays near it (one update's drift shrinks as training
+settles). max |dlogp| has no per-staleness split, so its floor rule is off on lagged
+steps; absolute thresholds apply to the whole step's statistics as always (docs/acceptable_mismatch.md).
+
 The metrics are those every mode computes: decoupled (`old_logprobs` vs `rollout_logprobs`), bypass (the first
 loss pass's logprobs vs `rollout_logprobs`) and metrics-only alike. A NaN statistic (undefined on the batch) never
 fires; an infinite one does.
@@ -23,6 +34,7 @@ fires; an infinite one does.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +43,8 @@ from nemo_rollout_correction.config.mismatch_alert import ALERT_THRESHOLDS, Mism
 from nemo_rollout_correction.distributed.runtime import any_rank
 from nemo_rollout_correction.trainer import metric_names as mn
 
-__all__ = ["ALERT_METRIC", "FLOORS", "Alert", "MismatchAlarm", "MismatchAlarmError", "floor_for", "watched_values"]
+__all__ = ["ALERT_METRIC", "FLOORS", "Alert", "MismatchAlarm", "MismatchAlarmError", "floor_for", "lag_values",
+           "watched_values"]
 
 ALERT_METRIC = mn.ALERT_MISMATCH
 """Per step: how many watched statistics fired (0: healthy); logged only when an alarm is configured."""
@@ -78,6 +91,21 @@ def watched_values(metrics: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+_LAG_K3 = re.compile(r"rollout_corr/lag_(\d+)/k3_kl$")
+
+
+def lag_values(metrics: Mapping[str, float]) -> dict[int, tuple[float, float]]:
+    """Per token staleness L: (`rollout_corr/lag_<L>/k3_kl`, `rollout_corr/lag_<L>/num_tokens`) of a step's metrics
+    (async / partial rollouts; empty otherwise)."""
+    out: dict[int, tuple[float, float]] = {}
+    for key, value in metrics.items():
+        match = _LAG_K3.match(key)
+        if match:
+            lag = int(match.group(1))
+            out[lag] = (float(value), float(metrics.get(f"rollout_corr/lag_{lag}/num_tokens", 0.0)))
+    return out
+
+
 @dataclass(frozen=True)
 class Alert:
     """One statistic above its threshold at one step."""
@@ -88,10 +116,13 @@ class Alert:
     threshold: float
     floor: float | None  # the floor the threshold came from (factor_over_floor), None for an absolute one
     setting: str
+    basis: str = ""  # lagged tokens: what `floor` is when it is the run's own lag reference
 
     def message(self) -> str:
         """`step 3: rollout_corr/k3_kl = 2.1e-03 > 1.0e-04 (10 x floor 1.0e-05 of engine bfloat16 / ...)`."""
-        if self.floor is not None:
+        if self.floor is not None and self.basis:
+            source = f"{self.threshold / self.floor:g} x {self.basis} {self.floor:.1e}"
+        elif self.floor is not None:
             source = f"{self.threshold / self.floor:g} x floor {self.floor:.1e} of {self.setting}"
         else:
             source = "absolute threshold"
@@ -100,7 +131,7 @@ class Alert:
 
 def _metric_name(name: str) -> str:
     return "max |dlogp| (rollout_corr/token_log_ratio_max/min)" if name == "max_abs_log_ratio" \
-        else f"rollout_corr/{name}"
+        else f"rollout_corr/{name}"  # lagged steps: rollout_corr/lag_<L>/k3_kl
 
 
 class MismatchAlarmError(RuntimeError):
@@ -131,16 +162,24 @@ class MismatchAlarm:
                              "and/or floor_max_abs_log_ratio to your model's `nrc audit` values")
         # name -> (threshold, floor or None): the lower of the absolute threshold and factor x floor
         self.thresholds: dict[str, tuple[float, float | None]] = {}
+        self.absolute: dict[str, float] = {}  # name -> absolute threshold
+        self.over_floor: dict[str, tuple[float, float]] = {}  # name -> (factor x floor, floor)
         for name in ALERT_THRESHOLDS:
             candidates: list[tuple[float, float | None]] = []
             absolute = getattr(cfg, name)
             if absolute is not None:
                 candidates.append((float(absolute), None))
+                self.absolute[name] = float(absolute)
             floor = floors.get(name)
             if cfg.factor_over_floor is not None and floor is not None:
                 candidates.append((cfg.factor_over_floor * floor, floor))
+                self.over_floor[name] = (cfg.factor_over_floor * floor, floor)
             if candidates:
                 self.thresholds[name] = min(candidates, key=lambda c: c[0])
+        # async lag: per staleness L >= 1, the least k3 of the steps with lag-L tokens so far, its step, their count
+        self.lag_reference: dict[int, float] = {}
+        self.lag_reference_step: dict[int, int] = {}
+        self.lag_steps: dict[int, int] = {}
         self.first_step: int | None = None
         self.num_steps = 0
         self._pending: list[Alert] = []  # the alerts of the step being published
@@ -155,20 +194,52 @@ class MismatchAlarm:
         return cls(alert, engine_dtype=cfg.rollout.dtype, trainer_dtype=cfg.model.dtype, family=family, log=log)
 
     def check(self, step: int, metrics: Mapping[str, float]) -> list[Alert]:
-        """The statistics of `metrics` above their thresholds (pure; NaN never fires, inf does)."""
-        out = []
-        for name, value in watched_values(metrics).items():
-            if name in self.thresholds and not math.isnan(value):
-                threshold, floor = self.thresholds[name]
-                if value > threshold:
-                    out.append(Alert(step, name, value, threshold, floor, self.setting))
+        """The statistics of `metrics` above their thresholds (pure; NaN never fires, inf does). A step with lagged
+        tokens (`lag_values`) holds its k3 per staleness to the floor rule (module docstring)."""
+        lags = lag_values(metrics)
+        if not any(lag > 0 and count > 0 for lag, (_, count) in lags.items()):
+            out = []
+            for name, value in watched_values(metrics).items():
+                if name in self.thresholds and not math.isnan(value):
+                    threshold, floor = self.thresholds[name]
+                    if value > threshold:
+                        out.append(Alert(step, name, value, threshold, floor, self.setting))
+            return out
+        out = [Alert(step, name, value, self.absolute[name], None, self.setting)
+               for name, value in watched_values(metrics).items()
+               if name in self.absolute and not math.isnan(value) and value > self.absolute[name]]
+        if "k3_kl" not in self.over_floor or self.cfg.factor_over_floor is None:
+            return out
+        limit, floor = self.over_floor["k3_kl"]
+        factor = self.cfg.factor_over_floor
+        for lag, (k3, count) in sorted(lags.items()):
+            if count <= 0 or math.isnan(k3):
+                continue
+            name = f"lag_{lag}/k3_kl"
+            if lag == 0:
+                if k3 > limit:
+                    out.append(Alert(step, name, k3, limit, floor, self.setting))
+            elif self.lag_steps.get(lag, 0) >= self.cfg.lag_reference_steps:
+                reference = max(floor, self.lag_reference[lag])
+                if k3 > factor * reference:
+                    out.append(Alert(step, name, k3, factor * reference, reference, self.setting,
+                                     basis=f"the run's least lag-{lag} k3 (step {self.lag_reference_step[lag]})"))
         return out
+
+    def _measure_lag_references(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Every step with lag-L tokens updates the run's lag-L reference: the least lag-L k3 so far."""
+        for lag, (k3, count) in lag_values(metrics).items():
+            if lag > 0 and count > 0 and not math.isnan(k3):
+                self.lag_steps[lag] = self.lag_steps.get(lag, 0) + 1
+                if k3 < self.lag_reference.get(lag, math.inf):
+                    self.lag_reference[lag], self.lag_reference_step[lag] = k3, step
 
     def check_step(self, step: int, metrics: dict[str, float], observer: Any) -> None:
         """Check step `step` (every rank, collective under `strict`): adds `alert/mismatch` to `metrics`, warns
         and tags through `observer` when it fires, and under `strict` raises `MismatchAlarmError` on every rank.
         Call it before the metrics are written, and `stop_if_strict` after."""
         alerts = self.check(step, metrics)
+        self._measure_lag_references(step, metrics)
         metrics[ALERT_METRIC] = float(len(alerts))
         self._pending = alerts
         if not alerts:

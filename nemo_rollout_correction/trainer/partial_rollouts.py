@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from torch import Tensor
+
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.distributed.tensor_gather import broadcast_object
@@ -29,14 +31,15 @@ from nemo_rollout_correction.rollout.partial import (
     version_metrics,
 )
 from nemo_rollout_correction.rollout.placement import STEP_SEED_STRIDE, request_seed
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
+from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer import metric_names as names
 from nemo_rollout_correction.trainer.checkpoint import load_data_file
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
 from nemo_rollout_correction.trainer.rewards import score
 
-__all__ = ["PartialRollouts", "SharedGenerator", "detokenizer", "load_state", "save_state", "state_file"]
+__all__ = ["AsyncPartialJobs", "LocalGenerator", "PartialRollouts", "SharedGenerator", "detokenizer", "load_state",
+           "save_state", "state_file"]
 
 
 class SharedGenerator(Protocol):
@@ -44,6 +47,18 @@ class SharedGenerator(Protocol):
 
     def generate_shared(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> RolloutBatch:
         """`n` samples of up to `max_tokens` per prompt, prompt i seeded `seed + i * n`; every rank gets them all."""
+        ...
+
+
+class LocalGenerator(Protocol):
+    """What the async driver needs from the fleet: this rank's engine, no collectives (runs in the worker)."""
+
+    def generate_here(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> RolloutBatch:
+        """`n` samples of up to `max_tokens` per prompt from this rank's engine, prompt i seeded `seed + i * n`."""
+        ...
+
+    def push_weights(self, weights: dict[str, Tensor]) -> float:
+        """Load `weights` into this rank's engine."""
         ...
 
 
@@ -91,6 +106,27 @@ class _SeedCursor:
         return seed
 
 
+def continue_requests(pool: PartialPool, requests: Sequence[ContinueRequest], version: int, cursor: _SeedCursor,
+                      generate: Callable[[list[list[int]], int, int, int], RolloutBatch]) -> None:
+    """Continue `requests` (sorted by max_tokens) under `version`: one engine call per run of equal max_tokens."""
+    start = 0
+    while start < len(requests):
+        end = start
+        while end < len(requests) and requests[end].max_tokens == requests[start].max_tokens:
+            end += 1
+        run = requests[start:end]
+        batch = generate([r.prompt_token_ids for r in run], 1, run[0].max_tokens, cursor.take(len(run)))
+        pool.apply(run, batch.samples, version)
+        start = end
+
+
+def step_cursor(cfg: TrainConfig, step: int, dapo: DapoOptions) -> _SeedCursor:
+    """The seeds of step `step`'s pool calls: after the step's DAPO attempts' seeds, before the next step's."""
+    base = cfg.rollout_seed + step * STEP_SEED_STRIDE
+    target, n = cfg.task.prompts_per_step, cfg.rollout.num_samples_per_prompt
+    return _SeedCursor(base + (dapo.max_refill_batches + 1) * target * n, base + STEP_SEED_STRIDE)
+
+
 class PartialRollouts:
     """The synchronous step's rollouts with partial rollouts (module docstring). Every rank builds one and calls
     `collect` with the same step: its engine calls are collectives of the fleet.
@@ -125,8 +161,7 @@ class PartialRollouts:
         """The groups step `step` trains on (the engines hold version `step`), after DAPO; collective."""
         pool, n = self.pool, self.n
         self._seconds = 0.0
-        base = self.cfg.rollout_seed + step * STEP_SEED_STRIDE
-        cursor = _SeedCursor(base + (self.dapo.max_refill_batches + 1) * self.target * n, base + STEP_SEED_STRIDE)
+        cursor = step_cursor(self.cfg, step, self.dapo)
         self._continue(pool.continuations(), step, cursor)  # 1. carried responses, B more tokens each
         last = None
         for _ in range(pool.stages):  # 2. new prompts, B tokens each, while the step or the pipeline needs them
@@ -162,7 +197,9 @@ class PartialRollouts:
         rollouts.batch.seconds = self._seconds  # every engine call of the step
         trained = rollouts.batch.samples
         width = max((len(s.prompt_token_ids) + len(s.token_ids) for s in trained), default=1)
-        rollouts.metrics |= version_metrics(token_version_tensor(trained, width), step)
+        # token staleness: the trainer's, over the tokens it trains (rollout/partial.py staleness_metrics_from_sums)
+        mixed = version_metrics(token_version_tensor(trained, width), step)[names.ROLLOUT_MIXED_VERSION_FRACTION]
+        rollouts.metrics[names.ROLLOUT_MIXED_VERSION_FRACTION] = mixed
         rollouts.metrics |= {
             names.ROLLOUT_CARRIED_OVER_FRACTION: sum(s.policy_version < step for s in trained) / max(len(trained), 1),
             names.ROLLOUT_PARTIAL_FORCED_FRACTION: forced,
@@ -176,16 +213,7 @@ class PartialRollouts:
         return batch
 
     def _continue(self, requests: Sequence[ContinueRequest], version: int, cursor: _SeedCursor) -> None:
-        """Continue `requests` (sorted by max_tokens) under `version`: one engine call per run of equal max_tokens."""
-        start = 0
-        while start < len(requests):
-            end = start
-            while end < len(requests) and requests[end].max_tokens == requests[start].max_tokens:
-                end += 1
-            run = requests[start:end]
-            batch = self._generate([r.prompt_token_ids for r in run], 1, run[0].max_tokens, cursor.take(len(run)))
-            self.pool.apply(run, batch.samples, version)
-            start = end
+        continue_requests(self.pool, requests, version, cursor, self._generate)
 
     def _score(self, records: list[PromptRecord], batch: RolloutBatch) -> list[float]:
         """The task rewards of `batch` (`n` samples per record), computed on the main rank, the same on every rank."""
@@ -208,5 +236,148 @@ class PartialRollouts:
         self.pool = PartialPool.from_state(state, lambda r: PromptRecord(**r),
                                            budget=self.cfg.rollout.partial_max_tokens_per_step,
                                            max_new_tokens=self.cfg.rollout.max_new_tokens)
+        self.log(f"[nrc train] partial rollouts: restored {len(self.pool.groups)} carried-over groups "
+                 f"({self.pool.num_complete()} complete) from the checkpoint")
+
+
+class AsyncPartialJobs:
+    """Partial rollouts inside the async pipeline (`rollout.max_staleness = k >= 1`, trainer/async_rollouts.py).
+
+    The pipeline's worker runs step j's generate job under version v = max(s0, j - k) with no collectives, so the
+    pool lives on the engine's rank (one engine: `rollout.placement=rank0`, config rule) and one job is one step of
+    the pool's schedule under v: (1) continue every unfinished response by B tokens, (2) generate the job's new
+    batches with B tokens each, (3) finish the oldest incomplete groups without the budget until `prompts_per_step`
+    are complete, (4) take them, re-decode their texts and score them. Each token records v (the engine's version:
+    the pushes run in the same FIFO before the job), so its behaviour logprob is that of its own version.
+
+    Unlike the synchronous step, the number of new batches cannot depend on which responses finished: the prompts
+    of a job are drawn on the main thread of every rank when the job is queued (`draw`), before earlier jobs ran.
+    The schedule is therefore fixed: a job draws max(1, stages - in_pool / prompts_per_step) batches, where in_pool
+    (the groups the pool holds once the queued jobs have run, the same on every rank) grows by the drawn groups and
+    shrinks by `prompts_per_step` per job: `stages` batches on the first job, one per job after, and the pool holds
+    prompts_per_step x (stages - 1) groups between jobs. A group stays at most `stages` jobs; short responses may
+    wait there (their tokens' staleness shows it). Which groups step j trains on is known on the engine rank only;
+    `taken` broadcasts their prompts.
+
+    Args:
+        cfg: the run's config.
+        fleet: this rank's engine (`generate_here`, `push_weights`).
+        sampler: the step prompts (drawn on every rank, main thread).
+        detokenize: a response's text from its token ids, as vLLM decodes it.
+        reward_fn: the task's reward function (scored in the worker, like `RolloutFleet.generate_local`).
+        dapo: the DAPO settings (the pool's seeds come after the refill attempts').
+        log: progress lines.
+    """
+
+    def __init__(self, cfg: TrainConfig, fleet: LocalGenerator, *, sampler: PromptSampler,
+                 tokenize: Callable[[PromptRecord], list[int]], detokenize: Callable[[list[int]], str],
+                 reward_fn: Callable[..., Any], dapo: DapoOptions, log: Callable[[str], None]) -> None:
+        self.cfg, self.fleet, self.sampler, self.tokenize = cfg, fleet, sampler, tokenize
+        self.detokenize, self.reward_fn, self.dapo, self.log = detokenize, reward_fn, dapo, log
+        self.n = cfg.rollout.num_samples_per_prompt
+        self.target = cfg.task.prompts_per_step
+        self.pool = PartialPool(cfg.rollout.partial_max_tokens_per_step, cfg.rollout.max_new_tokens)
+        self.in_pool = 0  # groups in the pool once every queued job has run (every rank, main thread)
+        self.engine_version = 0  # the engine's version in the worker's FIFO (set by `start`, +1 per push)
+        # engine rank: per step, the prompts of the groups its job completed and the fraction it forced (`taken`)
+        self.trained: dict[int, tuple[list[PromptRecord], float]] = {}
+
+    def start(self, version: int) -> None:
+        """The pipeline starts with the engine holding `version` (before any job is queued)."""
+        self.engine_version = version
+
+    # ---- main thread, every rank ------------------------------------------------------------------------------
+
+    def draw(self) -> list[PromptRecord]:
+        """The new prompts of the next queued job (the fixed schedule of the class docstring)."""
+        batches = max(1, self.pool.stages - self.in_pool // self.target)
+        records = [r for _ in range(batches) for r in self.sampler.next_batch()]
+        self.in_pool += len(records) - self.target
+        return records
+
+    def taken(self, step: int, is_engine: bool) -> tuple[list[PromptRecord], float]:
+        """Collective (a broadcast from rank 0, the engine's rank): the prompts of the groups step `step` trains on
+        and the fraction of them finished past the budget (after the pipeline handed over step `step`'s batch)."""
+        mine = self.trained.pop(step) if is_engine else None
+        shared: Any = broadcast_object(mine, src=0)
+        return list(shared[0]), float(shared[1])
+
+    def metrics(self, samples: Sequence[RolloutSample], step: int, version: int, forced: float) -> dict[str, float]:
+        """The per-token version metrics of the samples step `step` trains on, which the job of `version` completed:
+        carried over = begun by an earlier job (first token older than `version`)."""
+        width = max((len(s.prompt_token_ids) + len(s.token_ids) for s in samples), default=1)
+        versions = version_metrics(token_version_tensor(samples, width), step)  # token staleness: the trainer's
+        carried = sum(s.policy_version < version for s in samples) / max(len(samples), 1)
+        return {names.ROLLOUT_MIXED_VERSION_FRACTION: versions[names.ROLLOUT_MIXED_VERSION_FRACTION],
+                names.ROLLOUT_CARRIED_OVER_FRACTION: carried,
+                names.ROLLOUT_PARTIAL_FORCED_FRACTION: forced,
+                names.ROLLOUT_PARTIAL_POOL_GROUPS: float(self.in_pool)}
+
+    # ---- the worker's jobs (engine rank, no collectives) ------------------------------------------------------
+
+    def generate_local(self, records: list[PromptRecord], step: int,
+                       attempt: int = 0) -> tuple[RolloutBatch, list[float]] | None:
+        """Step `step`'s job: one stage of the pool under the engine's version with `records` as the new prompts
+        (attempt 0), or a DAPO refill of whole responses (attempt k > 0, stamped with the engine's version)."""
+        version = self.engine_version
+        if attempt:  # whole responses under the engine's version, with the refill attempt's seeds
+            seed = request_seed(self.cfg.rollout_seed, step, attempt, len(records), self.n)
+            batch = self.fleet.generate_here([self.tokenize(r) for r in records], self.n,
+                                             self.cfg.rollout.max_new_tokens, seed)
+            refill = [dataclasses.replace(stamp_new(s, version), text=self.detokenize(s.token_ids))
+                      for s in batch.samples]  # scored on the decode of the token ids, as the pool's are
+            return RolloutBatch(refill, n=self.n, seconds=batch.seconds), self._score(records, refill)
+        pool, n, seconds = self.pool, self.n, 0.0
+
+        def generate(prompts: list[list[int]], count: int, max_tokens: int, seed: int) -> RolloutBatch:
+            nonlocal seconds
+            batch = self.fleet.generate_here(prompts, count, max_tokens, seed)
+            seconds += batch.seconds
+            return batch
+
+        cursor = step_cursor(self.cfg, step, self.dapo)
+        continue_requests(pool, pool.continuations(), version, cursor, generate)  # 1.
+        for start in range(0, len(records), self.target):  # 2.
+            chunk = records[start:start + self.target]
+            prompts = [self.tokenize(r) for r in chunk]
+            pool.add(chunk, generate(prompts, n, pool.first_max_tokens, cursor.take(len(prompts) * n)), version)
+        continue_requests(pool, pool.force_requests(self.target), version, cursor, generate)  # 3.
+        groups = pool.take_complete(self.target)  # 4.
+        if len(groups) != self.target:
+            raise RuntimeError(f"partial rollouts: {len(groups)} complete groups for {self.target} prompts per step")
+        trained = [g.record for g in groups]
+        samples = [dataclasses.replace(s, prompt_index=i, text=self.detokenize(s.token_ids))
+                   for i, g in enumerate(groups) for s in g.samples]
+        self.trained[step] = (trained, sum(g.forced for g in groups) / len(groups))
+        return RolloutBatch(samples, n=n, seconds=seconds), self._score(trained, samples)
+
+    def _score(self, records: list[PromptRecord], samples: list[RolloutSample]) -> list[float]:
+        """The task rewards of `samples` (`prompt_index` into `records`), here on the engine's rank."""
+        per_sample = [records[s.prompt_index] for s in samples]
+        return score(self.reward_fn, [r.prompt for r in per_sample], [s.text for s in samples], per_sample,
+                     [len(s.token_ids) for s in samples])
+
+    def push_weights(self, weights: dict[str, Tensor]) -> float:
+        """Load the next version into the engine (the worker's FIFO: the jobs after it generate with it)."""
+        seconds = self.fleet.push_weights(weights)
+        self.engine_version += 1
+        return seconds
+
+    # ---- checkpoints (after the pipeline's drain: the worker is idle) ------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The pool once every queued job has run, and the prompts of the queued steps' groups (engine rank)."""
+        return {**self.pool.state(dataclasses.asdict), "in_pool": self.in_pool,
+                "trained": [{"step": step, "records": [dataclasses.asdict(r) for r in records], "forced": forced}
+                            for step, (records, forced) in sorted(self.trained.items())]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's pool (`load_state`; a synchronous run's pool has no queued steps)."""
+        self.pool = PartialPool.from_state(state, lambda r: PromptRecord(**r),
+                                           budget=self.cfg.rollout.partial_max_tokens_per_step,
+                                           max_new_tokens=self.cfg.rollout.max_new_tokens)
+        self.in_pool = int(state.get("in_pool", len(self.pool.groups)))
+        self.trained = {int(t["step"]): ([PromptRecord(**r) for r in t["records"]], float(t["forced"]))
+                        for t in state.get("trained", [])}
         self.log(f"[nrc train] partial rollouts: restored {len(self.pool.groups)} carried-over groups "
                  f"({self.pool.num_complete()} complete) from the checkpoint")

@@ -58,6 +58,7 @@ from nemo_rollout_correction.losses.step_plan import (
 from nemo_rollout_correction.models.optimizer import OptimizerSettings, UpdateResult, build_policy_optimizer
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.schedule import forward_microbatches, run_microbatches
+from nemo_rollout_correction.rollout.partial import max_token_staleness, staleness_mismatch_sums
 from nemo_rollout_correction.trainer import routing_replay
 from nemo_rollout_correction.trainer.scoring import score_microbatches
 from nemo_rollout_correction.trainer.settings import replay_options
@@ -95,6 +96,7 @@ class Microbatch:
     position_ids: Tensor | None = None  # CP: [padded // cp] global positions of the held tokens
     staleness: Tensor | None = None  # async rollouts: [rows] steps between each row's generating policy and this step
     segments: Segments | None = None  # multi-turn: the turn of each token (core/segments.py), this CP rank's share
+    token_staleness: Tensor | None = None  # async / partial rollouts: per token, steps since its version (-1: none)
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,8 @@ class PolicyUpdate:
             token_tensors = {"rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask}
             if "turn_index" in tensors:  # multi-turn: the turn of each token travels with its shard
                 token_tensors["turn_index"] = tensors["turn_index"][idx, : width - 1]
+            if "token_staleness" in tensors:  # async / partial rollouts: so does each token's staleness
+                token_tensors["token_staleness"] = tensors["token_staleness"][idx, : width - 1]
             shard = shard_tokens(input_ids, token_tensors, self.groups, pad_id=self.pad_id)  # this CP rank's tokens
             input_ids, labels, position_ids = shard.input_ids, shard.labels, shard.position_ids
             rollout_logprobs, loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
@@ -255,6 +259,7 @@ class PolicyUpdate:
                 staleness=tensors["staleness"][idx] if "staleness" in tensors else None,
                 segments=(Segments(shard.tokens["turn_index"], self.cfg.rollout.max_turns)
                           if "turn_index" in shard.tokens else None),
+                token_staleness=shard.tokens.get("token_staleness"),
             )
             out.append(tensor_fields_to(mb, self.policy.device, keep=("rows",)))  # rows index host tensors
         return out
@@ -428,6 +433,14 @@ class PolicyUpdate:
             reference = old if old is not None else logprobs
             for key, value in turn_mismatch_sums(reference, mb.rollout_logprobs, mb.loss_mask, mb.segments.ids,
                                                  mb.segments.count).items():
+                stats.add(key, value)
+        if mb.token_staleness is not None:  # the mismatch by token staleness (rollout_corr/lag_<L>/*)
+            reference = old if old is not None else logprobs
+            rollout = self.cfg.rollout
+            num_lags = 1 + max_token_staleness(rollout.max_staleness, rollout.partial_max_tokens_per_step,
+                                               rollout.max_new_tokens)
+            for key, value in staleness_mismatch_sums(reference, mb.rollout_logprobs, mb.loss_mask,
+                                                      mb.token_staleness, num_lags).items():
                 stats.add(key, value)
         interpolated = old if self.uses_loglinear else None
         return loss, count, MicrobatchPass(logprobs=logprobs.detach(), old_logprobs=interpolated)

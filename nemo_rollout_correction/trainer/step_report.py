@@ -24,6 +24,7 @@ from nemo_rollout_correction.distributed.context_parallel import gather_cp_token
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.losses.step_plan import OBJECTIVE_SUMS
 from nemo_rollout_correction.rollout.multi_turn import multi_turn_counts
+from nemo_rollout_correction.rollout.partial import staleness_metrics_from_sums
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
 from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.data import PromptRecord
@@ -153,6 +154,8 @@ class StepReport:
             metrics[mn.turn_mismatch(turn, "k3_kl")] = sums[f"turn_{turn}/sum_k3"] / max(count, 1.0)
             metrics[mn.turn_mismatch(turn, "log_ratio_abs_mean")] = (sums[f"turn_{turn}/sum_abs_log_ratio"]
                                                                     / max(count, 1.0))
+        # per-token staleness and the mismatch by staleness of the trained tokens (async / partial rollouts)
+        metrics |= staleness_metrics_from_sums(sums)
         if "loglinear_num_tokens" in updates[0].result.sums:  # a loglinear check step: error vs the forward
             counts = [max(u.result.sums["loglinear_num_tokens"], 1.0) for u in updates]
             metrics[mn.LOGLINEAR_ABS_ERROR_MEAN] = mean(

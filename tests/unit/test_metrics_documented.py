@@ -96,7 +96,9 @@ def _trainer_keys() -> set[str]:
             "ppo_kl_sum": 0.01, "loglinear_num_tokens": 8.0, "loglinear_abs_error_sum": 0.1,
             "loglinear_sq_error_sum": 0.01, "turn_0/num_tokens": 4.0, "turn_0/sum_k3": 0.01,
             "turn_0/sum_abs_log_ratio": 0.1, "turn_1/num_tokens": 0.0, "turn_1/sum_k3": 0.0,
-            "turn_1/sum_abs_log_ratio": 0.0}
+            "turn_1/sum_abs_log_ratio": 0.0, "lag_0/num_tokens": 4.0, "lag_0/sum_k3": 0.0,
+            "lag_0/sum_abs_log_ratio": 0.0, "lag_1/num_tokens": 4.0, "lag_1/sum_k3": 0.01,
+            "lag_1/sum_abs_log_ratio": 0.1}
     update = Update(plan=StepPlan("rollout_only", None, None, {}), result=StepResult(sums, {}),
                     applied=UpdateResult(grad_norm=1.0, lr=1e-3, loss_scale=1.0, skipped=False))
     timer = StepTimer()
@@ -129,10 +131,10 @@ def _trainer_keys() -> set[str]:
 
 
 def _trainer_key_documented(key: str) -> bool:
-    family = re.match(r"(rollout/engine|loss/pg_clipfrac_epoch|eval/pass_at_|rollout_corr/turn_)\d+(_refit_s|/\w+)?$",
-                      key)
+    family = re.match(r"(rollout/engine|loss/pg_clipfrac_epoch|eval/pass_at_|rollout_corr/turn_|rollout_corr/lag_)\d+"
+                      r"(_refit_s|/\w+)?$", key)
     if family:  # numbered families are documented by their first member
-        first = "0" if family.group(1) in ("rollout/engine", "rollout_corr/turn_") else "1"
+        first = "0" if family.group(1) in ("rollout/engine", "rollout_corr/turn_", "rollout_corr/lag_") else "1"
         return f"`{family.group(1)}{first}{family.group(2) or ''}`" in TRAINER_DOC
     return f"`{key}`" in TRAINER_DOC
 
@@ -150,6 +152,8 @@ def test_every_trainer_metric_is_documented() -> None:
     correction = {k for k in keys if k.startswith("rollout_corr/")}  # the trainer's loglinear check, names it reads
     assert {"rollout_corr/loglinear_abs_error_mean", "rollout_corr/loglinear_rmse"} <= correction
     assert "rollout_corr/turn_1/k3_kl" in correction  # the mismatch by turn (multi-turn)
+    assert "rollout_corr/lag_1/k3_kl" in correction  # the mismatch by token staleness (async / partial rollouts)
+    assert "rollout/token_staleness_max" in keys
     assert [k for k in correction if not (f"`{k}`" in DOC or _documented(k.removeprefix("rollout_corr/"))
                                           or _trainer_key_documented(k))] == []
 

@@ -140,3 +140,77 @@ def test_strict_stops_after_the_step_is_recorded(tmp_path: Path) -> None:
         r.publish(2, dict(STALE), None)
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # the firing step is on record
     assert "nrc.mismatch_alert" in observer.tags
+
+
+# ---- under async lag (rollout_corr/lag_<L>/* from the trainer's per-token staleness) ------------------------------
+
+def lagged(lag_k3: dict[int, float], overall: float | None = None, dlogp: float = 0.3) -> dict[str, float]:
+    """A step's metrics with the mismatch by token staleness (`rollout_corr/lag_<L>/*`, 100 tokens per lag)."""
+    k3 = overall if overall is not None else max(lag_k3.values())
+    out = {"rollout_corr/k3_kl": k3, "rollout_corr/kl": k3, "rollout_corr/token_log_ratio_max": dlogp,
+           "rollout_corr/token_log_ratio_min": -dlogp}
+    for lag, value in lag_k3.items():
+        out[f"rollout_corr/lag_{lag}/k3_kl"] = value
+        out[f"rollout_corr/lag_{lag}/num_tokens"] = 100.0
+    return out
+
+
+def run_steps(a: MismatchAlarm, steps: list[dict[str, float]]) -> list[float]:
+    fired = []
+    for step, metrics in enumerate(steps, start=1):
+        metrics = dict(metrics)
+        a.check_step(step, metrics, TagObserver())
+        fired.append(metrics[ALERT_METRIC])
+    return fired
+
+
+def test_a_healthy_async_run_with_staleness_1_does_not_fire() -> None:
+    """fp32 engine and trainer, k = 1: step 1 trains version 0 on version 0 (floor), every later step trains tokens
+    one version old: their k3 is one update's drift (here 1e-2 +- 25%), 10^8 x the fp32 floor. Then the drift of the
+    tiny Llama's real run (tests/integration/test_mismatch_alert_async.py: it shrinks as training settles)."""
+    drift = [1.0e-2, 1.2e-2, 0.8e-2, 1.1e-2, 1.25e-2, 0.9e-2, 1.0e-2, 1.85e-2, 8.9e-3, 4.3e-3, 3.8e-3, 1.9e-3, 1.7e-3]
+    steps = [lagged({0: 1e-13, 1: 0.0}, dlogp=1e-6)] + [lagged({0: 0.0, 1: d}) for d in drift]
+    steps[0]["rollout_corr/lag_1/num_tokens"] = 0.0
+    log: list[str] = []
+    a = alarm(log, factor_over_floor=10)
+    assert run_steps(a, steps) == [0.0] * len(steps), log
+    assert a.lag_reference == {1: 1.7e-3} and a.lag_reference_step == {1: 14} and a.lag_steps == {1: 13}
+    # the on-policy floor rule on the whole step (no per-staleness split) would fire on every lagged step
+    assert all(alarm(factor_over_floor=10).check(s, {k: v for k, v in m.items() if "/lag_" not in k})
+               for s, m in enumerate(steps[1:], start=2))
+
+
+def test_a_lost_sync_under_async_fires_once_the_labelled_lag_grows() -> None:
+    """The same run whose weight pushes were lost: the tokens labelled one version old are really s - 1 versions
+    old at step s, so their k3 climbs (about quadratically with the real lag) past 10 x the lag-1 reference."""
+    steps = [lagged({0: 1e-13}, dlogp=1e-6)] + [lagged({1: 1e-2 * (s - 1) ** 2}) for s in range(2, 8)]
+    log: list[str] = []
+    a = alarm(log, factor_over_floor=10)
+    fired = run_steps(a, steps)
+    assert fired[:4] == [0.0, 0.0, 0.0, 0.0]  # steps 2-4 only measure; step 4 is checked against 1e-2 (step 2)
+    assert fired[4:] == [1.0, 1.0, 1.0]  # step 5: 16e-2 > 10 x 1e-2
+    assert "step 5: rollout_corr/lag_1/k3_kl = 1.600e-01 > 1.000e-01 (10 x the run's least lag-1 k3 (step 2) " \
+           "1.0e-02" in log[0], log
+
+
+def test_lagged_steps_hold_fresh_tokens_to_the_floor_and_keep_absolute_thresholds() -> None:
+    """Tokens of the trainer's own version (partial rollouts' newest piece, a DAPO refill) carry no drift: a stale
+    engine shows there at once. Absolute thresholds still watch the whole step."""
+    a = alarm(factor_over_floor=10)
+    fired = a.check(2, lagged({0: 5e-3, 1: 1e-2}))
+    assert [(x.name, x.threshold, x.floor) for x in fired] == [("lag_0/k3_kl", 1e-9, 1e-10)]
+    b = alarm(factor_over_floor=10, k3_kl=5e-2)
+    assert [x.name for x in b.check(2, lagged({0: 0.0, 1: 1e-2}, overall=6e-2))] == ["k3_kl"]
+    with pytest.raises(ValueError, match="lag_reference_steps=0"):
+        MismatchAlertConfig(factor_over_floor=10, lag_reference_steps=0)
+
+
+def test_the_measured_tiny_llama_lost_push_fires_at_factor_3_and_its_healthy_run_does_not() -> None:
+    """The lag-1 k3 of tests/integration/test_mismatch_alert_async.py's two runs (fp32, k = 1), steps 1-7."""
+    healthy = [1.85e-2, 8.88e-3, 4.26e-3, 3.84e-3, 1.86e-3, 1.69e-3]
+    lost = [1.85e-2, 3.32e-2, 4.52e-2, 4.44e-2, 5.38e-2, 6.30e-2]
+    first = lagged({0: 2.9e-14}, dlogp=1e-6)
+    assert run_steps(alarm(factor_over_floor=3, lag_reference_steps=2),
+                     [first] + [lagged({1: k}) for k in healthy]) == [0.0] * 7
+    assert run_steps(alarm(factor_over_floor=3, lag_reference_steps=2),
+                     [first] + [lagged({1: k}) for k in lost]) == [0.0] * 6 + [1.0]

@@ -20,12 +20,16 @@ def test_off_by_default_and_accepted_with_the_token_level_presets() -> None:
     assert cfg.rollout_correction.old_logprob_source == "loglinear"
     # DAPO composes (its refills generate whole responses)
     assert load_config([ON, "grpo.dynamic_sampling=true"]).grpo.dynamic_sampling
+    # async rollouts compose with one engine (the pool lives in its worker: trainer/partial_rollouts.py)
+    assert load_config([ON, "rollout.max_staleness=1"]).rollout.max_staleness == 1
+    assert load_config([ON, "rollout.max_staleness=2", "rollout.placement=rank0"]).rollout.max_staleness == 2
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
     (["rollout.partial_max_tokens_per_step=-1"], "rollout.partial_max_tokens_per_step=-1 is not allowed: must be >= 0"),
     (["rollout.partial_max_tokens_per_step=48"], "must be < rollout.max_new_tokens (48)"),
-    ([ON, "rollout.max_staleness=1"], "partial rollouts run in the synchronous step only"),
+    ([ON, "rollout.max_staleness=1", "rollout.placement=per_dp_group"],
+     "with async rollouts the carried-over pool lives in the worker of the one engine"),
     ([ON, "rollout.routing_replay=r3"], "rollout.routing_replay=r3: a continued response is re-prefilled"),
     ([ON, "rollout.record_dir=/tmp/rec"], "recorded rollouts replay whole engine calls"),
     ([ON, "rollout.source=replay:/tmp/rec"], "recorded rollouts replay whole engine calls"),

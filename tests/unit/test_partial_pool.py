@@ -7,6 +7,7 @@ arithmetic; the real engine and trainer run in tests/integration/test_partial_ro
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,9 @@ from nemo_rollout_correction.rollout.partial import (
     is_finished,
     merge_continuation,
     num_stages,
+    staleness_metrics_from_sums,
+    staleness_mismatch_sums,
+    token_staleness,
     token_version_tensor,
     version_metrics,
 )
@@ -137,3 +141,30 @@ def test_token_version_tensor_and_metrics() -> None:
     metrics = version_metrics(versions, step=4)
     assert metrics == {"rollout/mixed_version_fraction": 0.5, "rollout/token_staleness_mean": 0.5,
                        "rollout/token_staleness_max": 1.0}
+
+
+def test_token_versions_in_the_step_tensors_and_the_trainer_staleness_sums() -> None:
+    """`to_tensors()["token_versions"]` is `token_version_tensor`; the trainer's per-staleness sums add over any
+    split of the rows or the positions (what DP and CP do), and give the staleness metrics and the mismatch by lag."""
+    a = RolloutSample(0, [1, 2], [5, 6, 7], [-1.0, -2.0, -3.0], "stop", token_versions=[3, 3, 4])
+    b = RolloutSample(0, [1, 2, 3], [8], [-1.0], "stop", policy_version=4)
+    c = RolloutSample(0, [1], [9, 9], [-0.5, -0.5], "stop", token_versions=[1, 2])  # staleness 3 and 2
+    tensors = RolloutBatch([a, b, c], n=1, seconds=0.0).to_tensors()
+    assert torch.equal(tensors["token_versions"], token_version_tensor([a, b, c], width=5))
+    staleness = token_staleness(tensors["token_versions"], 4)
+    assert staleness.tolist() == [[-1, 1, 1, 0], [-1, -1, 0, -1], [3, 2, -1, -1]]
+    reference = tensors["rollout_logprobs"] + 0.1 * staleness.clamp(min=0)  # the mismatch grows with staleness
+    whole = staleness_mismatch_sums(reference, tensors["rollout_logprobs"], tensors["loss_mask"], staleness, 3)
+    assert whole["lag_2/num_tokens"] == 2.0  # staleness 3 counts in the last bucket (num_lags = 3)
+    parts = [staleness_mismatch_sums(reference[rows][:, cols], tensors["rollout_logprobs"][rows][:, cols],
+                                     tensors["loss_mask"][rows][:, cols], staleness[rows][:, cols], 3)
+             for rows in (slice(0, 1), slice(1, 3)) for cols in (slice(0, 2), slice(2, 4))]
+    for key, value in whole.items():
+        assert sum(p[key] for p in parts) == pytest.approx(value)
+    metrics = staleness_metrics_from_sums(whole)
+    assert metrics["rollout/token_staleness_max"] == 2.0 and metrics["rollout_corr/lag_0/k3_kl"] == 0.0
+    assert metrics["rollout/token_staleness_mean"] == pytest.approx((2 * 1 + 2 * 2) / 6)
+    k3 = math.expm1(0.1) - 0.1
+    assert metrics["rollout_corr/lag_1/k3_kl"] == pytest.approx(k3)
+    assert metrics["rollout_corr/lag_2/log_ratio_abs_mean"] == pytest.approx(0.25)
+    assert staleness_metrics_from_sums({}) == {}
