@@ -142,6 +142,7 @@ def arithmetic_compaction_env(state: EnvState, turn_token_ids: list[int]) -> Env
 MULTI_TURN_ENVIRONMENTS: dict[str, Environment] = {
     "calculator": calculator_env,
     "arithmetic_feedback": arithmetic_feedback_env,
+    "arithmetic_compaction": arithmetic_compaction_env,
 }
 """The built-in multi-turn tasks' environments, by `task.name`."""
 
