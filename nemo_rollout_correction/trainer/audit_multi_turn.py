@@ -56,14 +56,6 @@ class MultiTurnDriftReport:
         """The fraction of token-in/token-out ids that re-tokenizing changes."""
         return self.differing / max(self.tokens, 1)
 
-    def flat_metrics(self) -> dict[str, float]:
-        """The report as `audit/multi_turn/*` metrics (for MLflow)."""
-        return {"audit/multi_turn/retokenized_ids_differing_frac": self.differing_frac,
-                "audit/multi_turn/retokenized_extra_ids": float(self.extra),
-                "audit/multi_turn/retokenized_exact_frac": self.exact_frac,
-                "audit/multi_turn/turns_mean": self.turns_mean,
-                "audit/multi_turn/num_tokens": float(self.tokens)}
-
 
 def run_multi_turn_audit(cfg: TrainConfig, *, max_turns: int | None = None, log: Any = print) -> MultiTurnDriftReport:
     """Generate `audit.num_prompts` x `rollout.num_samples_per_prompt` trajectories of up to `max_turns` turns

@@ -48,6 +48,7 @@ __all__ = [
     "arithmetic_feedback_env",
     "calculator_env",
     "check_multi_turn_supported",
+    "check_rewrites_supported",
     "environment_reward",
     "evaluate_expression",
     "generate_multi_turn",
@@ -194,6 +195,19 @@ def sequence_level_parts(cfg: TrainConfig) -> list[str]:
     return parts
 
 
+def check_rewrites_supported(cfg: TrainConfig, what: str | None = None) -> None:
+    """Refuse, naming the key, what rewritten histories cannot do (`split_rewritten`): a sequence-level decision
+    under `sequence_unit=trajectory` and a `seq-mean-*` loss."""
+    what = what or f"task.name={cfg.task.name} rewrites histories (rewritten histories, docs/multi_turn.md)"
+    if cfg.rollout_correction.sequence_unit == "trajectory" and sequence_level_parts(cfg):
+        raise ValueError(f"{what}: rollout_correction.sequence_unit=trajectory with sequence-level decisions "
+                         f"({', '.join(sequence_level_parts(cfg))}) would act on each segment, not the trajectory; "
+                         "set rollout_correction.sequence_unit=turn (or turn those settings off)")
+    if cfg.grpo.loss_agg_mode not in TOKEN_DENOMINATOR_MODES:
+        raise ValueError(f"{what}: grpo.loss_agg_mode={cfg.grpo.loss_agg_mode} would count each segment as a "
+                         f"sequence; use one of {', '.join(TOKEN_DENOMINATOR_MODES)}")
+
+
 def split_rewritten(cfg: TrainConfig, batch: RolloutBatch,
                     num_engines: int) -> tuple[RolloutBatch, list[int]] | None:
     """Rewritten histories: the step's batch with one row per exact-prefix segment, and each row's sample (to
@@ -209,13 +223,7 @@ def split_rewritten(cfg: TrainConfig, batch: RolloutBatch,
     if not any(s.segments for s in batch.samples):
         return None
     what = "the environment rewrote a history (rewritten histories, docs/multi_turn.md)"
-    if cfg.rollout_correction.sequence_unit == "trajectory" and sequence_level_parts(cfg):
-        raise ValueError(f"{what}: rollout_correction.sequence_unit=trajectory with sequence-level decisions "
-                         f"({', '.join(sequence_level_parts(cfg))}) would act on each segment, not the trajectory; "
-                         "set rollout_correction.sequence_unit=turn (or turn those settings off)")
-    if cfg.grpo.loss_agg_mode not in TOKEN_DENOMINATOR_MODES:
-        raise ValueError(f"{what}: grpo.loss_agg_mode={cfg.grpo.loss_agg_mode} would count each segment as a "
-                         f"sequence; use one of {', '.join(TOKEN_DENOMINATOR_MODES)}")
+    check_rewrites_supported(cfg, what)
     if num_engines > 1:
         raise ValueError(f"{what}: {num_engines} engines (rollout.placement=per_dp_group with data parallelism) are "
                          "not supported with rewritten histories; set rollout.placement=rank0")
@@ -226,7 +234,8 @@ def split_rewritten(cfg: TrainConfig, batch: RolloutBatch,
 def check_multi_turn_supported(cfg: TrainConfig) -> None:
     """Refuse, naming the key, what a multi-turn task does not support yet: held-out evaluation (it samples one
     turn), DAPO's overlong penalty (it reads the whole response length), rollout routing replay (the loop
-    records no routing) and partial rollouts."""
+    records no routing), partial rollouts, and for a task that rewrites histories what `check_rewrites_supported`
+    refuses."""
     if cfg.eval.enabled:
         raise ValueError(f"task.name={cfg.task.name} is multi-turn and held-out evaluation samples single turns: set "
                          "eval.every_n_steps=0 and eval.before_train=false (multi-turn evaluation is not implemented; "
@@ -239,6 +248,8 @@ def check_multi_turn_supported(cfg: TrainConfig) -> None:
         raise ValueError(f"rollout.routing_replay={cfg.rollout.routing_replay} is not supported with the multi-turn "
                          f"task {cfg.task.name} (the multi-turn loop records no routing); set "
                          "rollout.routing_replay=none")
+    if cfg.task.name == "arithmetic_compaction":  # rewrites every history it continues: refuse now, not at step 1
+        check_rewrites_supported(cfg)
     if cfg.rollout.partial_max_tokens_per_step:
         raise ValueError(f"rollout.partial_max_tokens_per_step={cfg.rollout.partial_max_tokens_per_step} is not "
                          f"supported with the multi-turn task {cfg.task.name} (partial rollouts continue single-turn "

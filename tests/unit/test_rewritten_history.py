@@ -112,3 +112,16 @@ def test_split_rewritten_refuses_what_acts_per_sequence(tmp_path: Path) -> None:
         split_rewritten(load_config([*turn, "grpo.loss_agg_mode=seq-mean-token-mean"], tmp_path), batch, 1)
     with pytest.raises(ValueError, match=r"set rollout.placement=rank0"):
         split_rewritten(load_config(turn, tmp_path), batch, num_engines=2)
+
+
+def test_the_compaction_task_is_refused_at_start_without_the_turn_unit(tmp_path: Path) -> None:
+    pytest.importorskip("hydra")
+    from nemo_rollout_correction.config.loader import load_config
+    from nemo_rollout_correction.trainer.environments import check_multi_turn_supported
+
+    with pytest.raises(ValueError, match=r"task.name=arithmetic_compaction rewrites histories .* set "
+                                         r"rollout_correction.sequence_unit=turn"):
+        check_multi_turn_supported(load_config(["task=arithmetic_compaction"], tmp_path))
+    cfg = load_config(["task=arithmetic_compaction", "rollout_correction.sequence_unit=turn"], tmp_path)
+    check_multi_turn_supported(cfg)
+    assert cfg.rollout.max_turns == 3 and cfg.task.name == "arithmetic_compaction"
