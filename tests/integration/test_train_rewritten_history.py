@@ -40,7 +40,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_compaction_run_trains_segments_at_the_floor(server: Any, tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [*TINY_FAST, "tracking.system_metrics=false", "task=arithmetic_compaction",
-            "rollout_correction.sequence_unit=turn", "rollout.max_new_tokens=8", "task.prompts_per_step=2", "run.num_steps=2", f"run.output_dir={out}",
+            "rollout_correction.sequence_unit=turn", "rollout.max_new_tokens=8", "task.prompts_per_step=2",
+            "run.num_steps=2", f"run.output_dir={out}",
             f"tracking.tracking_uri={server.uri}", "tracking.experiment=rewritten", "tracking.plot_every=0"]
     proc = subprocess.run(NRC + args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=1400)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
