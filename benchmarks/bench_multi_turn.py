@@ -11,9 +11,9 @@ and then one trainer step on each batch: the policy's logprobs of `[prompt; resp
 policy-gradient loss over `loss_mask` (observations excluded), backward and an AdamW step. Both batches hold the
 same number of sampled tokens; the multi-turn rows are longer by their observations. Printed per repeat and as the
 median: generation seconds, turns per second (a single-turn trajectory is one turn), sampled tokens per second,
-step seconds, and multi/single ratios.
+step seconds, and multi/single ratios. One warm-up round of each is not counted, and the order alternates per repeat.
 
-    .venv/bin/python benchmarks/bench_multi_turn.py                                 # tiny-llama, 3 repeats
+    .venv/bin/python benchmarks/bench_multi_turn.py                                 # tiny-llama, 5 repeats
     nice -n 19 .venv/bin/python benchmarks/bench_multi_turn.py --model smollm2-135m --prompts 4 --turns 3
 """
 
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--turns", type=int, default=3, help="K: turns per multi-turn trajectory")
     parser.add_argument("--turn-tokens", type=int, default=16, help="T: tokens per turn")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -87,27 +87,30 @@ def main() -> None:
         return time.perf_counter() - start
 
     rows: dict[str, list[dict[str, float]]] = {"single": [], "multi": []}
+
+    def generate(name: str, seed: int) -> tuple[Any, float, int]:
+        start = time.perf_counter()
+        if name == "single":
+            batch = engine.generate(prompts, SamplingOptions(n=args.samples, max_tokens=k * t, ignore_eos=True),
+                                    seed=seed)
+            return batch, time.perf_counter() - start, len(batch.samples)
+        batch = run_multi_turn(engine, prompts, records, SamplingOptions(n=args.samples, max_tokens=t, ignore_eos=True),
+                               env, encode=encode, decode=lambda ids: tokenizer.decode(ids), max_turns=k,
+                               max_model_len=max_len + 64, seed=seed).batch
+        return batch, time.perf_counter() - start, sum(max(s.turn_ids) + 1 for s in batch.samples)
+
     try:
+        for name in ("single", "multi"):  # warm-up, not counted (first calls compile and allocate)
+            step(generate(name, 10_000)[0].to_tensors(pad))
         for repeat in range(args.repeats):
-            single_sampling = SamplingOptions(n=args.samples, max_tokens=k * t, ignore_eos=True)
-            start = time.perf_counter()
-            single = engine.generate(prompts, single_sampling, seed=repeat)
-            gen_single = time.perf_counter() - start
-            start = time.perf_counter()
-            multi = run_multi_turn(engine, prompts, records, SamplingOptions(n=args.samples, max_tokens=t,
-                                                                             ignore_eos=True), env,
-                                   encode=encode, decode=lambda ids: tokenizer.decode(ids), max_turns=k,
-                                   max_model_len=max_len + 64, seed=repeat).batch
-            gen_multi = time.perf_counter() - start
-            for name, batch, seconds, turns in (("single", single, gen_single, len(single.samples)),
-                                                ("multi", multi, gen_multi,
-                                                 sum(max(s.turn_ids) + 1 for s in multi.samples))):
+            # alternate which goes first, so a drift of the machine's load does not favour one side
+            for name in (("single", "multi") if repeat % 2 == 0 else ("multi", "single")):
+                batch, seconds, turns = generate(name, repeat)
                 tensors = batch.to_tensors(pad)
                 rows[name].append({"gen_s": seconds, "turns_per_s": turns / seconds,
                                    "tokens_per_s": batch.num_generated_tokens / seconds,
                                    "sampled": float(batch.num_generated_tokens),
-                                   "width": float(tensors["input_ids"].shape[1]),
-                                   "step_s": step(tensors)})
+                                   "width": float(tensors["input_ids"].shape[1]), "step_s": step(tensors)})
             s, m = rows["single"][-1], rows["multi"][-1]
             print(f"repeat {repeat}: gen {s['gen_s']:.2f} s vs {m['gen_s']:.2f} s, step {s['step_s']:.2f} s vs "
                   f"{m['step_s']:.2f} s (single vs multi)", flush=True)
