@@ -4,7 +4,8 @@ Uses the same configuration as `nrc train` (model, rollout engine and sampling, 
 dtype and parallelism, the `audit:` section; `audit.vocab_top_k` and `audit.layer_sequences` size the
 whole-distribution and per-layer probes of trainer/audit_probes.py). With no arguments it audits the
 embedded default model (SmolLM2-135M-Instruct) on the default task. The report is printed; it is also logged
-to MLflow when `tracking.tracking_uri` is set, and written as JSON with `--json PATH`.
+to MLflow when `tracking.tracking_uri` is set, and written as JSON with `--json PATH`. `--multi-turn` reports
+instead the token ids that re-tokenizing multi-turn chat text changes (trainer/audit_multi_turn.py).
 """
 
 from __future__ import annotations
