@@ -4,7 +4,8 @@ Uses the same configuration as `nrc train` (model, rollout engine and sampling, 
 dtype and parallelism, the `audit:` section; `audit.vocab_top_k` and `audit.layer_sequences` size the
 whole-distribution and per-layer probes of trainer/audit_probes.py). With no arguments it audits the
 embedded default model (SmolLM2-135M-Instruct) on the default task. The report is printed; it is also logged
-to MLflow when `tracking.tracking_uri` is set, and written as JSON with `--json PATH`.
+to MLflow when `tracking.tracking_uri` is set, and written as JSON with `--json PATH`. `--multi-turn` reports
+instead the token ids that re-tokenizing multi-turn chat text changes (trainer/audit_multi_turn.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from nemo_rollout_correction.cli.preflight import add_config_dir_argument, check_media_packages
 from nemo_rollout_correction.config import ConfigError, load_config, to_dict
@@ -22,8 +24,10 @@ from nemo_rollout_correction.config.redaction import secret_values
 from nemo_rollout_correction.trainer.console import Console, set_current
 
 
-def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config_dir: str | None = None) -> int:
-    """Run the audit; returns the exit code (2: bad configuration, 3: tracking unreachable, 1: failure)."""
+def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config_dir: str | None = None,
+                  multi_turn: bool = False) -> int:
+    """Run the audit; returns the exit code (2: bad configuration, 3: tracking unreachable, 1: failure).
+    `multi_turn`: the re-tokenization drift of multi-turn trajectories instead (trainer/audit_multi_turn.py)."""
     try:
         cfg = load_config(list(overrides), config_dir)
     except ConfigError as exc:
@@ -37,6 +41,8 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config
     # the report itself is the command's result and goes to stdout.
     console = Console(secrets=secret_values(to_dict(cfg)))
     set_current(console)
+    if multi_turn:
+        return _multi_turn_audit(cfg, json_path, console)
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
     from nemo_rollout_correction.trainer.audit import format_comparison, format_report, run_audit
 
@@ -88,6 +94,24 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config
         set_current(None)
 
 
+def _multi_turn_audit(cfg: Any, json_path: str | None, console: Console) -> int:
+    """`nrc audit --multi-turn`: one process, the engine only (no trainer, no MLflow run)."""
+    from nemo_rollout_correction.trainer.audit_multi_turn import format_multi_turn_report, run_multi_turn_audit
+
+    try:
+        report = run_multi_turn_audit(cfg, log=console.print)
+        print(format_multi_turn_report(report))
+        if json_path:
+            Path(json_path).write_text(json.dumps({**dataclasses.asdict(report),
+                                                   "differing_frac": report.differing_frac}, indent=2))
+        return 0
+    except Exception as exc:
+        console.print(f"nrc audit: failed: {type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        set_current(None)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register `nrc audit`."""
     parser = sub.add_parser("audit", help="measure the vLLM/trainer mismatch of a model, engine and dtype",
@@ -100,8 +124,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                         "audit.compare_dtypes=true model.source=/path/to/hf_checkpoint.")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     parser.add_argument("--json", metavar="PATH", help="also write the report(s) as JSON")
+    parser.add_argument("--multi-turn", action="store_true",
+                        help="instead: the fraction of token ids that re-tokenizing the chat text of multi-turn "
+                             "trajectories changes, against token in / token out (engine only; docs/audit.md)")
     add_config_dir_argument(parser)
-    parser.set_defaults(func=lambda args: run_audit_cli(args.overrides, args.json, args.config_dir))
+    parser.set_defaults(func=lambda args: run_audit_cli(args.overrides, args.json, args.config_dir,
+                                                        args.multi_turn))
 
 
 __all__ = ["add_parser", "run_audit_cli"]

@@ -49,7 +49,8 @@ __all__ = [
 ]
 
 PolicyDtype = Literal["float32", "bfloat16", "float16"]
-TaskName = Literal["arithmetic", "length_target", "dataset", "calculator", "arithmetic_feedback"]
+TaskName = Literal["arithmetic", "length_target", "dataset", "calculator", "arithmetic_feedback",
+                   "arithmetic_compaction"]
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 LauncherName = Literal["local", "slurm"]
 LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)

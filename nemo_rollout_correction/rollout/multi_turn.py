@@ -11,10 +11,19 @@ given as text is tokenized once, on its own.
 Per response token the trajectory records a *turn id*: the turn index `k >= 0` of a sampled token,
 `OBSERVATION` (-1) of an observation token. `RolloutSample.turn_ids` carries that list to the trainer, where
 `RolloutBatch.to_tensors` turns it into `loss_mask` (sampled tokens only) and `turn_index` `[S, L - 1]`.
+
+*Rewritten histories.* An environment may replace the context between turns (`EnvStep.context`: drop or
+summarise earlier turns). The next turn is then sampled under a context that is not a prefix of the trajectory,
+so the trajectory is cut into *exact-prefix segments*: segment 0 starts at the prompt, segment `j >= 1` at the
+rewritten context the engine was given. `RolloutSample.segments` records, per segment `j >= 1`, its first
+response index and its context ids; `split_segments` turns such a sample into one training row per segment
+(prompt = the segment's context, response = its tokens), each trained under the very context it was sampled
+with. The trajectory stays one sample for rewards and advantages (broadcast to its rows by the caller).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +40,7 @@ __all__ = [
     "multi_turn_counts",
     "parse_env_step",
     "retokenization_drift",
+    "split_segments",
     "turn_segments",
 ]
 
@@ -62,14 +72,19 @@ class EnvStep:
     """An environment's answer to a turn.
 
     observation: token ids (appended as they are), text (tokenized once, as an observation; see
-        `multi_turn_loop.MultiTurnSettings.wrap_observation`), or None (nothing to append).
+        `multi_turn_loop.chat_observation_encoder`), or None (nothing to append).
     done: the trajectory ends after this turn.
     reward: added to the trajectory's reward (the sum over its steps); None adds nothing.
+    context: rewrite the history: the next turn is generated from this context *instead of* the trajectory so
+        far (compaction: earlier turns dropped or summarised). Token ids (used as they are) or chat messages
+        (`[{"role": ..., "content": ...}]`, rendered once with the chat template and its generation prompt).
+        Starts a new exact-prefix segment (module docstring); `observation` must then be None.
     """
 
     observation: list[int] | str | None = None
     done: bool = False
     reward: float | None = None
+    context: list[int] | list[dict[str, str]] | None = None
 
 
 def parse_env_step(value: Any, where: str) -> EnvStep:
@@ -89,6 +104,17 @@ def parse_env_step(value: Any, where: str) -> EnvStep:
     ids_ok = isinstance(obs, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in obs)
     if obs is not None and not isinstance(obs, str) and not ids_ok:
         raise TypeError(f"{where}: observation must be token ids (list of int), text or None, got {obs!r:.80}")
+    ctx = step.context
+    if ctx is not None:
+        ctx_ids = isinstance(ctx, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in ctx)
+        ctx_messages = isinstance(ctx, (list, tuple)) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in ctx)
+        if not ctx or not (ctx_ids or ctx_messages):
+            raise TypeError(f"{where}: context must be non-empty token ids (list of int) or chat messages "
+                            f"(list of {{'role': str, 'content': str}}), got {ctx!r:.80}")
+        if obs is not None:
+            raise ValueError(f"{where}: an EnvStep with a context (a rewritten history) must have observation=None: "
+                             "put the observation into the new context")
     if not isinstance(step.done, bool):
         raise TypeError(f"{where}: done must be a bool, got {step.done!r}")
     if step.reward is not None:
@@ -114,11 +140,21 @@ class Trajectory:
     num_turns: int = 0
     finish_reason: str = ""
     done: bool = False
+    segments: list[tuple[int, list[int]]] = field(default_factory=list)
+    """Rewritten histories: per segment after the first, `(first response index, context ids it started from)`."""
 
     @property
     def context(self) -> list[int]:
-        """The ids the next turn is generated from: the prompt and every segment so far."""
-        return self.prompt_ids + self.response_ids
+        """The ids the next turn is generated from: the current segment's context and its tokens so far (without a
+        rewrite: the prompt and every turn and observation)."""
+        if not self.segments:
+            return self.prompt_ids + self.response_ids
+        start, context = self.segments[-1]
+        return context + self.response_ids[start:]
+
+    def rewrite(self, context_ids: Sequence[int]) -> None:
+        """Start a new exact-prefix segment: the next turn is generated from `context_ids` alone."""
+        self.segments.append((len(self.response_ids), [int(t) for t in context_ids]))
 
     def add_turn(self, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str) -> None:
         """Append the engine's sampled ids and their behaviour logprobs as turn `num_turns`."""
@@ -152,6 +188,43 @@ def turn_segments(turn_ids: Sequence[int]) -> list[tuple[int, int, int]]:
             segments.append((int(turn_ids[start]), start, index))
             start = index
     return segments
+
+
+def split_segments(samples: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """One training row per exact-prefix segment (rewritten histories, module docstring).
+
+    samples: `RolloutSample`s; one with `segments` (a rewritten trajectory) becomes `1 + len(segments)` rows, row
+    `j` with `prompt_token_ids` = the context segment `j` was sampled from (the prompt for `j = 0`) and its
+    slice of `token_ids`, `logprobs` (when present), `turn_ids` and `token_versions`; every other field is the
+    sample's (its prompt index, text, finish reason, version). A sample without `segments` is one row as it is.
+    Every sampled token lands in exactly one row, so token-denominator losses count it once.
+
+    Returns `(rows, owner)`: the rows in sample order and, per row, the index of its sample (to broadcast the
+    trajectory's reward and advantage: `advantages[owner]`).
+    """
+    rows: list[Any] = []
+    owner: list[int] = []
+    for index, sample in enumerate(samples):
+        segments = getattr(sample, "segments", None)
+        if not segments:
+            rows.append(sample)
+            owner.append(index)
+            continue
+        bounds = [(0, list(sample.prompt_token_ids))] + [(int(s), list(c)) for s, c in segments]
+        ends = [start for start, _ in bounds[1:]] + [len(sample.token_ids)]
+        for (start, context), stop in zip(bounds, ends, strict=True):
+            if not 0 <= start <= stop <= len(sample.token_ids):
+                raise ValueError(f"sample {index}: segment bounds {start}..{stop} outside its "
+                                 f"{len(sample.token_ids)} response tokens")
+            cut = slice(start, stop)
+            rows.append(dataclasses.replace(
+                sample, prompt_token_ids=context, token_ids=list(sample.token_ids[cut]),
+                logprobs=list(sample.logprobs[cut]) if sample.logprobs else [],
+                turn_ids=None if sample.turn_ids is None else list(sample.turn_ids[cut]),
+                token_versions=list(sample.token_versions[cut]) if sample.token_versions else [],
+                segments=None))
+            owner.append(index)
+    return rows, owner
 
 
 def multi_turn_counts(turn_ids: Sequence[Sequence[int] | None]) -> tuple[list[int], int, int]:

@@ -7,6 +7,10 @@ observations' ids), so sampled text is never re-tokenized and the engine's behav
 ids the trainer scores. An observation given as text is tokenized once, on its own (wrapped as a chat user turn
 when the tokenizer has a chat template: `chat_observation_encoder`).
 
+An environment may rewrite the history instead of appending an observation (`EnvStep.context`, rendered once when
+given as chat messages): the next turn is generated from that context alone and starts a new exact-prefix
+segment of the trajectory (`Trajectory.rewrite`, `RolloutSample.segments`; docs/multi_turn.md).
+
 A trajectory ends when the environment says `done`, after `max_turns` turns, or when the next turn would not fit
 in `max_model_len` (its observation is then not appended). Its reward is the sum of the rewards the environment
 returned (the trainer's reward function reads it from `record.metadata["env_reward"]`, trainer/environments.py).
@@ -35,8 +39,11 @@ Environment = Callable[[EnvState, list[int]], Any]
 ObservationEncoder = Callable[[str, list[int]], list[int]]
 """`encode(text, turn_token_ids) -> ids`: an observation's text as token ids (tokenized once)."""
 
-__all__ = ["TURN_SEED_STRIDE", "Environment", "MultiTurnResult", "ObservationEncoder", "chat_observation_encoder",
-           "run_multi_turn"]
+ContextRenderer = Callable[[list[dict[str, str]]], list[int]]
+"""`render(messages) -> ids`: a rewritten history given as chat messages, as the ids of a prompt (rendered once)."""
+
+__all__ = ["TURN_SEED_STRIDE", "ContextRenderer", "Environment", "MultiTurnResult", "ObservationEncoder",
+           "chat_context_renderer", "chat_observation_encoder", "run_multi_turn"]
 
 
 class _Engine(Protocol):
@@ -87,10 +94,25 @@ def chat_observation_encoder(tokenizer: Any) -> ObservationEncoder:
     return encode
 
 
+def chat_context_renderer(tokenizer: Any) -> ContextRenderer:
+    """A rewritten history's messages as prompt ids: the chat template with its generation prompt, tokenized once
+    (the way the trainer tokenizes a prompt); without a chat template the contents joined by newlines."""
+    def render(messages: list[dict[str, str]]) -> list[int]:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        text = "\n".join(m["content"] for m in messages)
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+    return render
+
+
 def run_multi_turn(engine: _Engine, prompts: Sequence[Sequence[int]], records: Sequence[Any],
                    sampling: SamplingOptions, env: Environment, *, encode: ObservationEncoder,
                    decode: Callable[[list[int]], str], max_turns: int, max_model_len: int,
-                   seed: int | None = None) -> MultiTurnResult:
+                   seed: int | None = None, render: ContextRenderer | None = None) -> MultiTurnResult:
     """Generate `sampling.n` multi-turn trajectories per prompt (module docstring).
 
     prompts: `[P]` prompt ids; records: `[P]` the prompt records the environment reads (`EnvState.record`).
@@ -132,6 +154,16 @@ def run_multi_turn(engine: _Engine, prompts: Sequence[Sequence[int]], records: S
             if step.done or turn == max_turns:
                 trajectory.done = True
                 continue
+            if step.context is not None:  # a rewritten history: the next turn starts a new exact-prefix segment
+                context = _context_ids(step.context, render, where)
+                budget = min(sampling.max_tokens, max_model_len - len(context))
+                if budget < 1:
+                    raise ValueError(f"{where}: the rewritten context has {len(context)} tokens, no room for a turn "
+                                     f"within rollout.max_model_len={max_model_len}")
+                trajectory.rewrite(context)
+                state.observations.append(None)
+                pending.append((i, budget))
+                continue
             obs = step.observation
             obs_ids = [] if obs is None else (encode(obs, last_turn[i]) if isinstance(obs, str) else list(obs))
             budget = min(sampling.max_tokens, max_model_len - len(trajectory.context) - len(obs_ids))
@@ -161,8 +193,18 @@ def run_multi_turn(engine: _Engine, prompts: Sequence[Sequence[int]], records: S
     samples = [
         RolloutSample(prompt_index=indices[i], prompt_token_ids=t.prompt_ids, token_ids=list(t.response_ids),
                       logprobs=list(t.logprobs), finish_reason=t.finish_reason, text=decode(t.response_ids),
-                      turn_ids=list(t.turn_ids))
+                      turn_ids=list(t.turn_ids), segments=[(s, list(c)) for s, c in t.segments] or None)
         for i, t in enumerate(trajectories)
     ]
     rewards = [float(sum(s.rewards)) for s in states]
     return MultiTurnResult(RolloutBatch(samples, n=first.n, seconds=seconds), rewards, states)
+
+
+def _context_ids(context: list[int] | list[dict[str, str]], render: ContextRenderer | None, where: str) -> list[int]:
+    """A rewritten history's ids: token ids as they are, chat messages rendered once."""
+    if all(isinstance(t, int) for t in context):
+        return [int(t) for t in context]  # type: ignore[arg-type]
+    if render is None:
+        raise ValueError(f"{where}: the environment rewrote the history as chat messages but run_multi_turn got no "
+                         "render function (pass render=chat_context_renderer(tokenizer))")
+    return render(list(context))  # type: ignore[arg-type]

@@ -152,6 +152,10 @@ class RolloutSample:
     token_versions: list[int] = field(default_factory=list)
     """Partial rollouts (rollout/partial.py): the version that sampled each response token; empty otherwise
     (every token then has `policy_version`)."""
+    segments: list[tuple[int, list[int]]] | None = None
+    """Multi-turn with a rewritten history (rollout/multi_turn.py): per exact-prefix segment after the first, its
+    first response index and the context ids it was sampled from; `multi_turn.split_segments` makes one training
+    row of each. None: the response is one segment after the prompt."""
 
 
 @dataclass

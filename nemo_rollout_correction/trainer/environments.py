@@ -6,6 +6,10 @@
 - ``arithmetic_feedback`` (feedback between turns): "What is a <op> b?"; a wrong first number gets the
   observation "That is not right. Try again." and another turn; reward ``1 / (k + 1)`` for a right answer at turn
   ``k``, 0.0 if none is right.
+- ``arithmetic_compaction_env`` (a rewritten history): as ``arithmetic_feedback``, but after a wrong answer the
+  history is *compacted*: the next turn is sampled from a fresh prompt that holds the question and a one-line
+  summary of the earlier answers instead of the earlier turns (``EnvStep.context``). The trajectory is then made
+  of exact-prefix segments, each trained under its own context (:func:`split_rewritten`, docs/multi_turn.md).
 
 An environment is any callable ``env(state, turn_token_ids) -> EnvStep | (observation, done[, reward])``
 (rollout/multi_turn.py); docs/tasks.md says how to plug one in. The trajectory's reward (the sum of what the
@@ -23,8 +27,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nemo_rollout_correction.config.schema import TrainConfig
-from nemo_rollout_correction.rollout.multi_turn import EnvState, EnvStep
-from nemo_rollout_correction.rollout.multi_turn_loop import Environment, chat_observation_encoder, run_multi_turn
+from nemo_rollout_correction.losses.rollout_corrected_pg import TOKEN_DENOMINATOR_MODES
+from nemo_rollout_correction.rollout.multi_turn import EnvState, EnvStep, split_segments
+from nemo_rollout_correction.rollout.multi_turn_loop import (
+    Environment,
+    chat_context_renderer,
+    chat_observation_encoder,
+    run_multi_turn,
+)
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions
 from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.rewards import first_number
@@ -34,13 +44,17 @@ __all__ = [
     "ENV_REWARD_KEY",
     "FEEDBACK_OBSERVATION",
     "MULTI_TURN_ENVIRONMENTS",
+    "arithmetic_compaction_env",
     "arithmetic_feedback_env",
     "calculator_env",
     "check_multi_turn_supported",
+    "check_rewrites_supported",
     "environment_reward",
     "evaluate_expression",
     "generate_multi_turn",
     "retokenized_chat_ids",
+    "sequence_level_parts",
+    "split_rewritten",
 ]
 
 ENV_REWARD_KEY = "env_reward"
@@ -112,9 +126,24 @@ def arithmetic_feedback_env(state: EnvState, turn_token_ids: list[int]) -> EnvSt
     return EnvStep(observation=FEEDBACK_OBSERVATION, done=False)
 
 
+def arithmetic_compaction_env(state: EnvState, turn_token_ids: list[int]) -> EnvStep:
+    """Feedback with a compacted history: a right first number ends the trajectory with reward ``1 / (turn + 1)``;
+    a wrong one rewrites the history to a single user message, the question followed by a summary of the wrong
+    answers so far (the earlier turns' text is dropped), from which the next turn is sampled."""
+    del turn_token_ids
+    number = first_number(state.turn_texts[-1])
+    if _is_right(number, state.record):
+        return EnvStep(observation=None, done=True, reward=1.0 / (state.turn + 1))
+    wrong = state.scratch.setdefault("wrong", [])
+    wrong.append("no number" if number is None else _format(number))
+    summary = f"{state.record.prompt} (Earlier answers, all wrong: {', '.join(wrong)}. Try again.)"
+    return EnvStep(context=[{"role": "user", "content": summary}])
+
+
 MULTI_TURN_ENVIRONMENTS: dict[str, Environment] = {
     "calculator": calculator_env,
     "arithmetic_feedback": arithmetic_feedback_env,
+    "arithmetic_compaction": arithmetic_compaction_env,
 }
 """The built-in multi-turn tasks' environments, by `task.name`."""
 
@@ -139,17 +168,74 @@ def generate_multi_turn(engine: Any, records: Sequence[PromptRecord], prompts: S
     reward in `metadata["env_reward"]` (what the reward function reads)."""
     result = run_multi_turn(engine, prompts, records, sampling, env, encode=chat_observation_encoder(tokenizer),
                             decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
-                            max_turns=max_turns, max_model_len=max_model_len, seed=seed)
+                            max_turns=max_turns, max_model_len=max_model_len, seed=seed,
+                            render=chat_context_renderer(tokenizer))
     sample_records = [dataclasses.replace(records[s.prompt_index],
                                           metadata={**records[s.prompt_index].metadata, ENV_REWARD_KEY: reward})
                       for s, reward in zip(result.batch.samples, result.env_rewards, strict=True)]
     return result.batch, sample_records
 
 
+def sequence_level_parts(cfg: TrainConfig) -> list[str]:
+    """The `rollout_correction` settings that take a decision per sequence (each as `key=value`): the ones whose
+    unit `rollout_correction.sequence_unit` picks."""
+    rc = cfg.rollout_correction
+    parts = []
+    if rc.rollout_is in ("sequence", "geometric"):
+        parts.append(f"rollout_is={rc.rollout_is}")
+    parts += [f"rollout_rs={c.name}" for c in rc.rejection_criteria if not c.is_token_level]
+    if rc.rollout_token_veto_threshold is not None:
+        parts.append(f"rollout_token_veto_threshold={rc.rollout_token_veto_threshold}")
+    if rc.nonfinite_policy == "reject_sequence":
+        parts.append("nonfinite_policy=reject_sequence")
+    if rc.opsm_threshold is not None:
+        parts.append(f"opsm_threshold={rc.opsm_threshold}")
+    if rc.seq_logprob_error_threshold is not None:
+        parts.append(f"seq_logprob_error_threshold={rc.seq_logprob_error_threshold}")
+    return parts
+
+
+def check_rewrites_supported(cfg: TrainConfig, what: str | None = None) -> None:
+    """Refuse, naming the key, what rewritten histories cannot do (`split_rewritten`): a sequence-level decision
+    under `sequence_unit=trajectory` and a `seq-mean-*` loss."""
+    what = what or f"task.name={cfg.task.name} rewrites histories (rewritten histories, docs/multi_turn.md)"
+    if cfg.rollout_correction.sequence_unit == "trajectory" and sequence_level_parts(cfg):
+        raise ValueError(f"{what}: rollout_correction.sequence_unit=trajectory with sequence-level decisions "
+                         f"({', '.join(sequence_level_parts(cfg))}) would act on each segment, not the trajectory; "
+                         "set rollout_correction.sequence_unit=turn (or turn those settings off)")
+    if cfg.grpo.loss_agg_mode not in TOKEN_DENOMINATOR_MODES:
+        raise ValueError(f"{what}: grpo.loss_agg_mode={cfg.grpo.loss_agg_mode} would count each segment as a "
+                         f"sequence; use one of {', '.join(TOKEN_DENOMINATOR_MODES)}")
+
+
+def split_rewritten(cfg: TrainConfig, batch: RolloutBatch,
+                    num_engines: int) -> tuple[RolloutBatch, list[int]] | None:
+    """Rewritten histories: the step's batch with one row per exact-prefix segment, and each row's sample (to
+    broadcast the trajectory's advantage: `advantages[owner]`); None when no sample was rewritten.
+
+    Refused, naming the key: a sequence-level decision under `sequence_unit=trajectory` (a trajectory's segments
+    are separate rows, possibly in other microbatches or on other ranks, and the correction aggregates per row:
+    set `rollout_correction.sequence_unit=turn`, a turn lies inside one segment), a loss whose denominator counts
+    sequences (`grpo.loss_agg_mode=seq-mean-*` would count segments), and several engines
+    (`rollout.placement=per_dp_group` with data parallelism: the logprobs are moved to the ranks by trajectory,
+    before the split). num_engines: the fleet's engines.
+    """
+    if not any(s.segments for s in batch.samples):
+        return None
+    what = "the environment rewrote a history (rewritten histories, docs/multi_turn.md)"
+    check_rewrites_supported(cfg, what)
+    if num_engines > 1:
+        raise ValueError(f"{what}: {num_engines} engines (rollout.placement=per_dp_group with data parallelism) are "
+                         "not supported with rewritten histories; set rollout.placement=rank0")
+    rows, owner = split_segments(batch.samples)
+    return RolloutBatch(rows, n=batch.n, seconds=batch.seconds), owner
+
+
 def check_multi_turn_supported(cfg: TrainConfig) -> None:
     """Refuse, naming the key, what a multi-turn task does not support yet: held-out evaluation (it samples one
     turn), DAPO's overlong penalty (it reads the whole response length), rollout routing replay (the loop
-    records no routing) and partial rollouts."""
+    records no routing), partial rollouts, and for a task that rewrites histories what `check_rewrites_supported`
+    refuses."""
     if cfg.eval.enabled:
         raise ValueError(f"task.name={cfg.task.name} is multi-turn and held-out evaluation samples single turns: set "
                          "eval.every_n_steps=0 and eval.before_train=false (multi-turn evaluation is not implemented; "
@@ -162,6 +248,8 @@ def check_multi_turn_supported(cfg: TrainConfig) -> None:
         raise ValueError(f"rollout.routing_replay={cfg.rollout.routing_replay} is not supported with the multi-turn "
                          f"task {cfg.task.name} (the multi-turn loop records no routing); set "
                          "rollout.routing_replay=none")
+    if cfg.task.name == "arithmetic_compaction":  # rewrites every history it continues: refuse now, not at step 1
+        check_rewrites_supported(cfg)
     if cfg.rollout.partial_max_tokens_per_step:
         raise ValueError(f"rollout.partial_max_tokens_per_step={cfg.rollout.partial_max_tokens_per_step} is not "
                          f"supported with the multi-turn task {cfg.task.name} (partial rollouts continue single-turn "

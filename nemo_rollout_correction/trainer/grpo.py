@@ -75,6 +75,7 @@ from nemo_rollout_correction.trainer import console, evaluation, preemption, rou
 from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import apply_overlong_filter
+from nemo_rollout_correction.trainer.environments import split_rewritten
 from nemo_rollout_correction.trainer.fleet import CollectedRollouts, RolloutFleet
 from nemo_rollout_correction.trainer.gpu_paths import check_gpu_paths
 from nemo_rollout_correction.trainer.mismatch_alert import MismatchAlarm
@@ -258,6 +259,10 @@ class GrpoTrainer:
             reward_t = torch.tensor(rollouts.task_rewards, dtype=torch.float32)  # the task's reward, for reward/*
             advantages = grpo_advantages(torch.tensor(rollouts.rewards, dtype=torch.float32), group_size=batch.n,
                                          normalize_by_std=self.cfg.grpo.normalize_advantages_by_std)
+            review_rewards = reward_t
+            split = split_rewritten(self.cfg, batch, self.fleet.num_engines)  # rewritten histories: a row per segment
+            if split is not None:  # the trajectory's advantage (and reward, for the review) broadcast to its rows
+                batch, advantages, review_rewards = split[0], advantages[split[1]], reward_t[split[1]]
             tensors = batch.to_tensors(self.pad_id)
             tensors["loss_mask"], filter_metrics = apply_overlong_filter(tensors["loss_mask"], batch,
                                                                          self.fleet.dapo)
@@ -273,7 +278,7 @@ class GrpoTrainer:
                 return self._finish_step(collected, reward_t, [], None, extra, timer)
             mini_batches = self.update.cut(tensors, advantages)
             scored, updates = self.update.run(mini_batches, self.step_index, timer.phase)
-            review = self._review(batch, mini_batches, scored, updates, reward_t, rollouts.records)
+            review = self._review(batch, mini_batches, scored, updates, review_rewards, rollouts.records)
             with timer.phase("refit"):
                 self.fleet.sync_weights(self.policy, self.step_index)
         return self._finish_step(collected, reward_t, updates, review, extra, timer)

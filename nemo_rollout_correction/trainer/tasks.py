@@ -5,9 +5,10 @@
 - ``length_target``: short generic writing instructions; reward:
   :func:`~nemo_rollout_correction.trainer.rewards.length_target_reward`, 0 when the response has
   ``target_length`` tokens (the length task of TRL's rollout-correction experiments, seed 000).
-- ``calculator`` / ``arithmetic_feedback``: multi-turn arithmetic (the ``arithmetic`` problems) with an environment:
-  a calculator tool, or feedback after a wrong answer (trainer/environments.py, docs/multi_turn.md); reward: the
-  environment's (:func:`~nemo_rollout_correction.trainer.environments.environment_reward`).
+- ``calculator`` / ``arithmetic_feedback`` / ``arithmetic_compaction``: multi-turn arithmetic (the ``arithmetic``
+  problems) with an environment: a calculator tool, feedback after a wrong answer, or a history compacted after a
+  wrong answer (trainer/environments.py, docs/multi_turn.md); reward: the environment's
+  (:func:`~nemo_rollout_correction.trainer.environments.environment_reward`).
 - ``dataset``: a user's JSONL/Parquet file (``dataset_path``); reward: ``reward_fn`` if given,
   else the numeric-answer reward when every record has a numeric answer.
 
