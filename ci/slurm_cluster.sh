@@ -2,7 +2,10 @@
 # A real Slurm cluster on this machine for the system tests: munge, MariaDB + slurmdbd (accounting:
 # `sacct`, which NeMo-Run reads job states with), slurmctld and two slurmd nodes (n1, n2) on localhost,
 # from Debian's packages (Slurm 22.05 on bookworm). Every daemon runs in the foreground of a background
-# shell, its PID in <dir>/pids/, and `down` stops exactly those PIDs.
+# shell, its PID in <dir>/pids/, and `down` stops exactly those PIDs. Each daemon also carries
+# NRC_SLURM_CLUSTER=<dir> in its environment (slurmd passes it on to its slurmstepd processes): `down` finds
+# them by it in /proc when the PID files are gone (e.g. pytest removed its temporary directory), and stops
+# only this cluster's daemons, never another cluster's or a system slurmd.
 #
 #   bash ci/slurm_cluster.sh up   [DIR]   # installs the packages if missing (root), starts, waits for idle nodes
 #   bash ci/slurm_cluster.sh down [DIR]   # stops what `up` started (by PID) and keeps DIR's logs
@@ -28,8 +31,39 @@ usage() { echo "usage: ci/slurm_cluster.sh <up|down|env> [DIR]" >&2; exit 2; }
 # Start "$@" in the background with its output in <dir>/log/<name>.log and its PID in <dir>/pids/<name>.pid.
 start() {
   local name="$1"; shift
-  "$@" >"${dir}/log/${name}.log" 2>&1 &
+  NRC_SLURM_CLUSTER="${dir}" "$@" >"${dir}/log/${name}.log" 2>&1 &
   echo $! > "${pids}/${name}.pid"
+}
+
+# PIDs of the processes whose environment holds NRC_SLURM_CLUSTER=<dir> (this cluster's daemons and the
+# slurmstepd processes of its jobs) and whose command is one of "$@" (/proc/<pid>/comm), one a line.
+cluster_pids() {
+  local p comm
+  for p in /proc/[0-9]*; do
+    comm="$(cat "${p}/comm" 2>/dev/null)" || continue
+    [[ " $* " == *" ${comm} "* ]] || continue
+    if tr '\0' '\n' < "${p}/environ" 2>/dev/null | grep -qxF "NRC_SLURM_CLUSTER=${dir}"; then
+      echo "${p#/proc/}"
+    fi
+  done
+}
+
+# Stop the PIDs "$@" (TERM, then KILL after 10 s).
+stop_pids() {
+  local pid i
+  (( $# )) || return 0
+  kill -TERM "$@" 2>/dev/null || true
+  for ((i = 0; i < 100; i++)); do
+    for pid in "$@"; do kill -0 "${pid}" 2>/dev/null && break; pid=""; done
+    [[ -z "${pid}" ]] && return 0
+    sleep 0.1
+  done
+  for pid in "$@"; do
+    if kill -0 "${pid}" 2>/dev/null; then
+      echo "slurm_cluster: ${pid} ($(cat "/proc/${pid}/comm" 2>/dev/null)) did not stop in 10 s; sending KILL" >&2
+      kill -KILL "${pid}" 2>/dev/null || true
+    fi
+  done
 }
 
 # Wait until "$@" succeeds (at most $1 seconds); on timeout print the daemon's log and fail.
@@ -109,8 +143,9 @@ up() {
     echo "slurm_cluster: run as root (SlurmUser=root, munged --force)" >&2
     exit 1
   fi
-  if compgen -G "${pids}/*.pid" >/dev/null; then
-    echo "slurm_cluster: ${dir} has running daemons' PID files; run 'down' first" >&2
+  if compgen -G "${pids}/*.pid" >/dev/null \
+      || [[ -n "$(cluster_pids munged mariadbd slurmdbd slurmctld slurmd slurmstepd)" ]]; then
+    echo "slurm_cluster: ${dir} has running daemons (PID files or processes marked with it); run 'down' first" >&2
     exit 1
   fi
   local t0=$SECONDS
@@ -162,27 +197,23 @@ up() {
 }
 
 down() {
-  local f pid name i
+  local f name i
+  local -a found
   # Jobs first: their slurmstepd processes are not children of the slurmd PIDs stopped below.
-  if [[ -f "${pids}/slurmctld.pid" ]] && kill -0 "$(cat "${pids}/slurmctld.pid")" 2>/dev/null; then
+  if [[ -f "${dir}/slurm.conf" ]] && SLURM_CONF="${dir}/slurm.conf" timeout 20 scontrol ping >/dev/null 2>&1; then
     export SLURM_CONF="${dir}/slurm.conf"
     squeue -h -o %i | xargs -r scancel --full >/dev/null 2>&1 || true
     for ((i = 0; i < 150; i++)); do [[ -z "$(squeue -h -o %i 2>/dev/null)" ]] && break; sleep 0.2; done
   fi
-  # Reverse order of start: the nodes, the controller, accounting, the database, munge.
-  for name in slurmd-n1 slurmd-n2 slurmctld slurmdbd mariadbd munged; do
+  # Reverse order of start: the nodes (and any step left), the controller, accounting, the database, munge. A
+  # daemon is found by its PID file and by this cluster's mark in its environment (the PID files may be gone).
+  for name in slurmd-n1 slurmd-n2 slurmstepd slurmctld slurmdbd mariadbd munged; do
+    found=()
     f="${pids}/${name}.pid"
-    [[ -f "${f}" ]] || continue
-    pid="$(cat "${f}")"
-    if kill -0 "${pid}" 2>/dev/null; then
-      kill -TERM "${pid}" 2>/dev/null || true
-      for ((i = 0; i < 100; i++)); do kill -0 "${pid}" 2>/dev/null || break; sleep 0.1; done
-      if kill -0 "${pid}" 2>/dev/null; then
-        echo "slurm_cluster: ${name} (${pid}) did not stop in 10 s; sending KILL" >&2
-        kill -KILL "${pid}" 2>/dev/null || true
-      fi
-    fi
+    if [[ -f "${f}" ]] && kill -0 "$(cat "${f}")" 2>/dev/null; then found=("$(cat "${f}")"); fi
     rm -f "${f}"
+    mapfile -t -O "${#found[@]}" found < <(cluster_pids "${name%%-*}")
+    stop_pids "${found[@]}"
   done
   echo "== slurm_cluster: down (logs in ${dir}/log) =="
 }

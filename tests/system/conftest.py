@@ -20,6 +20,14 @@ from system_support import ROOT, CpuImage, SlurmCluster, require_root
 CLUSTER = ROOT / "ci" / "slurm_cluster.sh"
 SMOKE = ROOT / "ci" / "container_smoke.sh"
 IMAGE_TAG = "localhost/nrc:0.1.0-cpu"
+# What ci/container_smoke.sh writes to its containers.conf for this machine class (runc, cgroupfs, ulimits).
+KEPT_IMAGE_CONTAINERS_CONF = """[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +63,15 @@ def cpu_image(tmp_path_factory: pytest.TempPathFactory) -> CpuImage:
     require_root("the podman build")
     work = tmp_path_factory.mktemp("container-smoke")
     started = time.monotonic()
+    if os.environ.get("NRC_CPU_IMAGE_KEPT") == "1":
+        # By hand, to rerun the podman Slurm tests without the smoke run (minutes): the kept image as it is, which
+        # `ci/container_smoke.sh --cached` must find current; the podman settings that script writes.
+        proc = subprocess.run(["bash", str(SMOKE), "--cached"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "NRC_IMAGE_TAG": IMAGE_TAG})
+        conf = work / "smoke" / "containers.conf"
+        conf.parent.mkdir()
+        conf.write_text(KEPT_IMAGE_CONTAINERS_CONF)
+        return CpuImage(IMAGE_TAG, conf, proc, time.monotonic() - started)
     proc = subprocess.run(["bash", str(SMOKE)], capture_output=True, text=True, timeout=3000,
                           env={**os.environ, "NRC_SMOKE_DIR": str(work / "smoke"), "NRC_KEEP_IMAGES": "1",
                                "NRC_IMAGE_TAG": IMAGE_TAG})
