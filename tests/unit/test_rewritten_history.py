@@ -1,6 +1,6 @@
 """Rewritten histories (rollout/multi_turn.py, trainer/environments.py): the rewrite answer of an environment, the
 split of a trajectory into exact-prefix segments token by token, the compaction environment, and what the
-trainer refuses with them. The real engine and trainer: tests/integration/test_rewritten_history.py."""
+trainer refuses with them. The real engine and trainer: tests/integration/test_rewritten_history_engine.py."""
 
 from __future__ import annotations
 
