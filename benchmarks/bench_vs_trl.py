@@ -138,14 +138,20 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--sides: unknown {unknown}; allowed: {', '.join(SIDES)}")
     results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    failures: list[str] = []
     for index in range(args.runs):
         for side in sides:
             before = _load()
-            if side == "trl":
-                run = run_trl(args.steps, workdir, f"trl{index}", model_dir, prompts)
-            else:
-                extra = ["rollout.in_process=true"] if side == "ours_inproc" else []
-                run = run_ours(args.steps, workdir, f"{side}{index}", [*args.overrides, *extra])
+            try:
+                if side == "trl":
+                    run = run_trl(args.steps, workdir, f"trl{index}", model_dir, prompts)
+                else:
+                    extra = ["rollout.in_process=true"] if side == "ours_inproc" else []
+                    run = run_ours(args.steps, workdir, f"{side}{index}", [*args.overrides, *extra])
+            except SystemExit as failed:  # one failed run (e.g. the OOM killer on a shared machine) is reported
+                print(f"[bench_vs_trl] {side} run {index + 1} FAILED: {failed}", file=sys.stderr, flush=True)
+                failures.append(f"{side} run {index + 1}: {failed}")
+                continue
             results[side].append({**summarize(run), "load": f"{before} -> {_load()}"})  # type: ignore[dict-item]
             print(f"[bench_vs_trl] {side} run {index + 1}: {json.dumps(results[side][-1])}", file=sys.stderr,
                   flush=True)
@@ -155,16 +161,20 @@ def main() -> None:
     print("|---|---|--:|--:|--:|--:|--:|--:|---|")
     for index in range(args.runs):
         for side in sides:
+            if index >= len(results[side]):
+                continue
             row = results[side][index]
             print(f"| {index + 1} | {SIDES[side]} | {row['step']:.2f} | {row['generate']:.2f} | {row['sync']:.3f} | "
                   f"{row['other']:.2f} | {row['gen_tok_s']:.0f} | {row['ms_per_token']:.1f} | {row['load']} |")
-    if "trl" not in sides:
+    for failure in failures:
+        print(f"failed (not in the table): {failure}")
+    if not results.get("trl"):
         return
 
     def median(side: str, key: str) -> float:
         return statistics.median(r[key] for r in results[side])
 
-    for side in (s for s in sides if s != "trl"):
+    for side in (s for s in sides if s != "trl" and results[s]):
         step_ratio = median(side, "step") / median("trl", "step")
         verdict = "met" if step_ratio <= 0.8 else "NOT met"
         print(f"\n{SIDES[side]} / TRL median step time: {step_ratio:.2f}x (target <= 0.8x: {verdict})")
