@@ -70,6 +70,8 @@ def step_prompts(num_steps: int) -> list[str]:
 
 def run_ours(steps: int, workdir: Path, label: str, overrides: list[str]) -> dict[str, list[float]]:
     out = workdir / label
+    if (out / "metrics.jsonl").exists():  # nrc train appends: an old run's rows would enter the medians
+        raise SystemExit(f"{out} already holds a run's metrics.jsonl: pass a new --workdir")
     cmd = [sys.executable, "-m", "nemo_rollout_correction.cli", "train", f"run.num_steps={steps}",
            f"run.output_dir={out}", "tracking.enabled=false", "checkpoint.every_n_steps=0", *overrides]
     rows, _ = run_nrc_train(cmd, out, f"[bench_vs_trl] {label}")
