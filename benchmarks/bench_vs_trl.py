@@ -154,7 +154,8 @@ def main() -> None:
                 print(f"[bench_vs_trl] {side} run {index + 1} FAILED: {failed}", file=sys.stderr, flush=True)
                 failures.append(f"{side} run {index + 1}: {failed}")
                 continue
-            results[side].append({**summarize(run), "load": f"{before} -> {_load()}"})  # type: ignore[dict-item]
+            results[side].append({**summarize(run), "run": index + 1,  # type: ignore[dict-item]
+                                  "load": f"{before} -> {_load()}"})
             print(f"[bench_vs_trl] {side} run {index + 1}: {json.dumps(results[side][-1])}", file=sys.stderr,
                   flush=True)
     print(f"Medians over steps 2..{args.steps}, {args.runs} run(s) per side, one after the other.\n")
@@ -163,9 +164,10 @@ def main() -> None:
     print("|---|---|--:|--:|--:|--:|--:|--:|---|")
     for index in range(args.runs):
         for side in sides:
-            if index >= len(results[side]):
+            rows = [r for r in results[side] if r["run"] == index + 1]
+            if not rows:
                 continue
-            row = results[side][index]
+            row = rows[0]
             print(f"| {index + 1} | {SIDES[side]} | {row['step']:.2f} | {row['generate']:.2f} | {row['sync']:.3f} | "
                   f"{row['other']:.2f} | {row['gen_tok_s']:.0f} | {row['ms_per_token']:.1f} | {row['load']} |")
     for failure in failures:
