@@ -12,6 +12,7 @@ Settings (`--settings`, comma list):
   inproc   the same engine in this process (`EngineOptions.in_process`: VLLM_ENABLE_V1_MULTIPROCESSING=0, as
            TRL's colocated mode runs it)
   noseed   like mp, but requests without a per-request seed (vLLM then samples the batch with one generator)
+  inproc_threads  inproc, `generate` from the main thread against the same call from a new thread (prints both)
   reload   like mp, but the refit always takes vLLM's layer-wise `reload_weights` (`direct_refit=False`), the
            path before `rollout/direct_load.py`
 The refit is split into the trainer's side (cast and copy into the shared buffer), the engine's side (RPC, the
@@ -53,6 +54,7 @@ SETTINGS: dict[str, dict[str, str]] = {
     "vllm_inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     "vllm_nologp": {},
     "vllm_trl": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "inproc_threads": {},
 }
 """Environment per setting (on top of VLLM_CPU_KVCACHE_SPACE=1 and VLLM_CPU_NUM_OF_RESERVED_CPU=0)."""
 
@@ -168,6 +170,43 @@ def _ab(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     return out
 
 
+def _inproc_threads(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """`inproc_threads`: an in-process engine's `generate` called from the main thread (it runs there) against
+    the same call from a new thread each time (where torch's OpenMP kernels run slower)."""
+    import threading
+
+    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+
+    engine = VllmRolloutEngine(EngineOptions(model_dir=args.model, dtype=args.dtype, max_model_len=512, seed=0,
+                                             in_process=True))
+    sampling = SamplingOptions(n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+
+    def main_thread(seed: int) -> float:
+        batch = engine.generate(prompts, sampling, seed=seed)
+        return batch.num_generated_tokens / batch.seconds
+
+    def new_thread(seed: int) -> float:
+        out: list[float] = []
+        worker = threading.Thread(target=lambda: out.append(main_thread(seed)))
+        worker.start()
+        worker.join()
+        return out[0]
+
+    result: dict[str, Any] = {"setting": args.setting, "main_thread_tok_s": [], "new_thread_tok_s": [],
+                              "refit_s": [], "verify_s": [], "write_s": [], "load_s": [], "worker_s": [], "path": ""}
+    main_thread(1)
+    new_thread(1)
+    for rep in range(args.reps):
+        result["main_thread_tok_s"].append(main_thread(100 + rep))
+        result["new_thread_tok_s"].append(new_thread(100 + rep))
+        print(f"[inproc_threads rep {rep + 1}] main thread {result['main_thread_tok_s'][-1]:.0f}, new thread "
+              f"{result['new_thread_tok_s'][-1]:.0f} tok/s | load {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+              file=sys.stderr, flush=True)
+    engine.shutdown()
+    result["gen_tok_s"] = result["main_thread_tok_s"]
+    return result
+
+
 def _child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
@@ -181,6 +220,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     if args.ab:
         return _ab(args, prompts)
+    if args.setting == "inproc_threads":
+        return _inproc_threads(args, prompts)
     if args.setting.startswith("vllm"):
         return _plain_vllm(args, prompts)
     extra: dict[str, Any] = ({"in_process": True} if args.setting == "inproc"
@@ -278,6 +319,10 @@ def main() -> None:
             result = json.loads(lines[-1][len("RESULT "):])
             results[setting].append(result)
             gen = statistics.median(result["gen_tok_s"] or [float("nan")])
+            if "new_thread_tok_s" in result:
+                print(f"[round {round_index + 1}] {setting}: generate from the main thread {gen:.1f} tok/s, from a new "
+                      f"thread {statistics.median(result['new_thread_tok_s']):.1f} tok/s (medians of {args.reps}; "
+                      f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())})", file=sys.stderr, flush=True)
             def med1(key: str, r: dict[str, Any] = result) -> float:
                 return statistics.median(r.get(key) or [float("nan")])
 
