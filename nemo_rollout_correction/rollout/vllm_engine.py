@@ -21,6 +21,7 @@ and `enable_sleep_mode` through `EngineOptions`, and refits with vLLM's weight-t
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import tempfile
 import threading
@@ -44,6 +45,11 @@ T = TypeVar("T")
 
 class RolloutEngineError(RuntimeError):
     """The rollout engine failed to start or to generate (the message says which and why)."""
+
+
+class _CallTimeout(BaseException):
+    """Raised in the main thread by the in-process watchdog (`VllmRolloutEngine._in_calling_thread`); a
+    BaseException so that no `except Exception` inside vLLM takes it."""
 
 
 class RefitVerificationError(RolloutEngineError):
@@ -616,6 +622,8 @@ class VllmRolloutEngine:
         the whole job. A hung call cannot be cancelled; the error ends the run and the trainer's shutdown stops
         the engine (the helper thread is a daemon, so it never keeps the process alive).
         """
+        if self.options.in_process and threading.current_thread() is threading.main_thread():
+            return self._in_calling_thread(what, call)
         result: list[Any] = []
         error: list[BaseException] = []
 
@@ -650,6 +658,45 @@ class VllmRolloutEngine:
                                          f"({'; '.join(dead)}); the run cannot go on without it") from error[0]
             raise error[0]
         return result[0]  # type: ignore[no-any-return]
+
+    def _in_calling_thread(self, what: str, call: Callable[[], T]) -> T:
+        """`_watched` for an engine in this process, called from the main thread: run `call` right here, with a
+        watchdog thread that raises `_CallTimeout` in it past `generate_timeout_s`.
+
+        Why not a helper thread as for an engine process: in process the forward runs in the calling thread, and
+        torch's OpenMP kernels run much slower from a thread other than the main one (measured: the in-process
+        engine generated 160-190 tokens/s from a new thread against 293-326 from the main thread; a bare bf16
+        linear took 2.4x as long; docs/rollout.md, "Generation speed on CPU"). The exception is set with
+        `PyThreadState_SetAsyncExc`, not a signal (the trainer's SIGINT handler only requests a stop); it is
+        raised at the main thread's next Python instruction, which vLLM's engine loop reaches every step (a hang
+        inside one C call is not interrupted).
+        """
+        lock = threading.Lock()
+        state = {"finished": False}
+        main = threading.get_ident()
+
+        def watchdog() -> None:
+            deadline = time.monotonic() + self.options.generate_timeout_s
+            while time.monotonic() < deadline:
+                time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
+                if state["finished"]:
+                    return
+            with lock:
+                if not state["finished"]:
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(_CallTimeout))
+
+        threading.Thread(target=watchdog, name=f"nrc-vllm-watch-{what.replace(' ', '-')}", daemon=True).start()
+        try:
+            try:
+                return call()
+            finally:
+                with lock:
+                    state["finished"] = True
+        except _CallTimeout:
+            raise RolloutEngineError(
+                f"vLLM {self.name} (in this process): {what} did not finish within rollout.generate_timeout_s="
+                f"{self.options.generate_timeout_s:g} s; the engine is hung (raise rollout.generate_timeout_s if "
+                "generation is just slow)") from None
 
     def _take_routing(self) -> list[dict[str, Any]]:
         try:
