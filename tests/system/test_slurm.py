@@ -352,5 +352,5 @@ def test_scancel_of_a_podman_grpo_sbatch_job_leaves_no_container(slurm_cluster: 
     while left and time.monotonic() - started < 120:
         time.sleep(2)
         left = _job_containers(job_id, cpu_image.containers_conf)
-    print(f"\npodman job {job_id} cancelled: containers gone {time.monotonic() - started:.1f} s after scancel")
+    print(f"\npodman job {job_id} cancelled: {time.monotonic() - started:.1f} s after scancel, containers left: {left}")
     assert left == [], (left, log_file.read_text()[-4000:])
