@@ -49,8 +49,11 @@ class SlurmCluster:
         """Wait until squeue no longer lists the job (completed, failed or cancelled)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.run("squeue", "-h", "-j", job_id, "-o", "%i", check=False).stdout.strip():
-                return
+            try:
+                if not self.run("squeue", "-h", "-j", job_id, "-o", "%i", check=False).stdout.strip():
+                    return
+            except subprocess.TimeoutExpired:  # slurmctld slow to answer (a load average of 100+ here): ask again
+                pass
             time.sleep(2)
         self.run("scancel", job_id, check=False)
         raise AssertionError(f"job {job_id} still queued or running after {timeout:.0f} s; cancelled it")
