@@ -240,8 +240,22 @@ def _write_tiny_llama(tmp: Path, p: dict[str, Any]) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(p["seed"])
         model = LlamaForCausalLM(config).float()  # type: ignore[no-untyped-call]
-    model.save_pretrained(tmp)
+    _save_model_here(model, tmp)
     tokenizer.save_pretrained(tmp)
+
+
+def _save_model_here(model: Any, tmp: Path) -> None:
+    """`model.save_pretrained(tmp)` on whichever rank builds.
+
+    transformers writes the config and the weights only on torch.distributed rank 0 once a process group exists
+    (`should_save_on_this_rank`). A build here goes to this process's own temporary directory, renamed into place
+    with its stamp, so a rank > 0 that builds (a node without a shared cache) must write every file itself: before
+    this, its directory was stamped complete without config.json.
+    """
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    model.save_pretrained(tmp)
+    if not (tmp / "config.json").is_file():
+        raise RuntimeError(f"{tmp}: save_pretrained wrote no config.json; the build is not stamped")
 
 
 # --------------------------------------------------------------------------- SmolLM2-135M
@@ -343,7 +357,7 @@ def _convert_smollm2(gguf: Path, tmp: Path) -> None:
     if config.tie_word_embeddings and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         raise RuntimeError(f"{gguf}: tie_word_embeddings is set but lm_head is not tied to embed_tokens")
     _log(f"smollm2-135m: weights dequantized ({time.monotonic() - start:.1f} s); saving safetensors")
-    model.save_pretrained(tmp)
+    _save_model_here(model, tmp)
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     if not tokenizer.chat_template:

@@ -283,7 +283,7 @@ def test_grpo_sbatch_runs_each_nodes_ranks_in_a_podman_container(slurm_cluster: 
     env = {**job_env(slurm_cluster), "NRC_IMAGE": cpu_image.tag, "NRC_CONTAINER_RUNTIME": "podman",
            "NRC_NPROC_PER_NODE": "1", "NRC_MOUNTS": f"{runs}:/runs", "MASTER_PORT": str(_free_port()),
            # the model cache on the shared volume, as on a cluster (docs/models.md): each container has its own home,
-           # and a builtin model built on a rank other than 0 lacks config.json (transformers writes it on rank 0)
+           # and the builtin model is then built once for both nodes
            "NRC_PODMAN_ARGS": "--env=NRC_CACHE_DIR=/runs/cache",
            # this machine's podman settings (runc, cgroupfs, ulimits), as ci/container_smoke.sh wrote them
            "CONTAINERS_CONF": str(cpu_image.containers_conf)}  # host IPC: vLLM gets the host's /dev/shm

@@ -264,3 +264,35 @@ def test_smollm2_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyP
 def test_stamp_is_json_with_params(tiny_dir: Path) -> None:
     stamp = json.loads((tiny_dir / STAMP_FILE).read_text())
     assert stamp["source"] == "tiny-llama" and stamp["params"]["seed"] == 0 and stamp["params"]["head_dim"] == 32
+
+
+_BUILD_ON_RANK = """
+import os, sys, torch.distributed as dist
+from pathlib import Path
+from nemo_rollout_correction.models.sources import tiny_llama_dir
+dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2, init_method="tcp://127.0.0.1:" + sys.argv[2])
+if dist.get_rank() == 1:  # a node without a shared cache builds the model itself
+    out = tiny_llama_dir(Path(sys.argv[3]))
+    print(sorted(p.name for p in out.iterdir()))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_other_than_0_builds_a_complete_model_directory(tmp_path: Path) -> None:
+    """transformers' save_pretrained writes nothing on rank > 0 of a process group; the build must still hold
+    config.json and the weights, or a multi-node run without a shared cache loads a directory stamped complete
+    without them."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD_ON_RANK, str(rank), port, str(tmp_path / "cache")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    built = next(tmp_path.glob("cache/**/nrc_source.json")).parent
+    assert (built / "config.json").is_file() and (built / "model.safetensors").is_file(), sorted(built.iterdir())
+    AutoConfig.from_pretrained(built)
