@@ -18,9 +18,11 @@
 #     changed pins) took 28 to 36 minutes here, beyond the budget: run it once by hand (`bash
 #     ci/container_smoke.sh` with NRC_KEEP_IMAGES=1, or the system tests) and CI picks it up from then on.
 #     NRC_CONTAINER_SMOKE=1 runs it regardless, 0 never.
+#   - `ci/slurm_cluster.sh down` after the PID files are gone (about 40 seconds): always.
 # Not in CI, by hand (NRC_SYSTEM_TESTS=tests/system runs every system test): `nrc launch` through NeMo-Run on
-# the cluster (about 7 minutes) and grpo.sbatch in podman containers on the cluster (minutes, plus the image):
-# together with the above they take CI past 60 minutes.
+# the cluster (about 4 to 7 minutes), grpo.sbatch in podman containers on the cluster (2.5 minutes at low load,
+# 6 under load, plus the image) and scancel of a podman job (about 30 seconds): together with the above they take
+# CI past 60 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/_venv.sh
@@ -64,7 +66,8 @@ fi
 if [ "${system}" = 1 ]; then
   system_tests="${NRC_SYSTEM_TESTS:-}"
   if [ -z "${system_tests}" ]; then
-    system_tests="tests/system/test_slurm.py::test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflow_run"
+    system_tests="tests/system/test_slurm.py::test_slurm_cluster_down_stops_its_daemons_after_their_pid_files_are_gone"
+    system_tests="${system_tests} tests/system/test_slurm.py::test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflow_run"
     system_tests="${system_tests} tests/system/test_gpu_image_resolve.py"
     smoke="${NRC_CONTAINER_SMOKE:-auto}"
     if [ "${smoke}" = auto ]; then
