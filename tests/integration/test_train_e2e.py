@@ -27,7 +27,6 @@ require("megatron.core", "megatron")
 require("vllm", "cpu")
 require("mlflow", "mlflow")
 
-from mlflow_server import MlflowServer
 from nrc_cli import TINY_FAST, cli_env, nan_metrics, read_metrics
 
 pytestmark = [pytest.mark.integration]
@@ -46,14 +45,6 @@ def nrc(
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def test_train_logs_every_step_to_a_real_mlflow_server(server: Any, tmp_path: Path) -> None:

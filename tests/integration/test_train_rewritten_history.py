@@ -20,20 +20,11 @@ require("megatron.core", "megatron")
 require("vllm", "cpu")
 require("mlflow", "mlflow")
 
-from mlflow_server import MlflowServer
 from nrc_cli import TINY_FAST, cli_env, nan_metrics, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 @pytest.mark.timeout(1500)
