@@ -25,6 +25,7 @@ import yaml
 from nemo_rollout_correction.config.convert import field_type, type_name
 from nemo_rollout_correction.config.loader import available_groups, default_conf_dir, defaults_dict
 from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.core.objective_params import ObjectiveParams
 
 __all__ = ["DOC_PATH", "main", "render"]
 
@@ -69,6 +70,14 @@ rollout.num_samples_per_prompt` a multiple of `policy.micro_batch_size x` the da
 `task.name=dataset` needs `task.dataset_path`; `rollout.max_new_tokens < rollout.max_model_len`;
 the `rollout_correction` section is validated by `RolloutCorrectionConfig` (docs/presets.md).
 """
+
+
+def _table_order(cls: type) -> list[dataclasses.Field[Any]]:
+    """The section's fields in declaration order, except that the shared objective parameters (inherited, so
+    dataclasses lists them first) follow the section's own fields, next to `loss_type` that selects them."""
+    shared = {f.name for f in dataclasses.fields(ObjectiveParams)}
+    fields = list(dataclasses.fields(cls))
+    return [f for f in fields if f.name not in shared] + [f for f in fields if f.name in shared]
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
@@ -140,7 +149,7 @@ def render() -> str:
             for base in reversed([c for c in cls.__mro__ if hasattr(c, "__dataclass_fields__")]):
                 attr_docs.update(_attribute_docs(base))
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
+        for f in _table_order(cls):
             if not f.init:
                 continue
             help_text = f.metadata.get("help") or attr_docs.get(f.name, "")

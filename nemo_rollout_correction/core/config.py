@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from nemo_rollout_correction.core.objective_params import ObjectiveParams
+
 IsLevel = Literal["token", "sequence", "geometric"]
 IsMode = Literal["truncate", "mask"]
 LossType = Literal["ppo_clip", "reinforce", "cispo", "gmpo", "vespo"]
@@ -69,11 +71,12 @@ class RejectionCriterion:
 
 
 @dataclass(frozen=True)
-class RolloutCorrectionConfig:
+class RolloutCorrectionConfig(ObjectiveParams):
     """How to measure and correct the rollout/training mismatch.
 
     Build one with `RolloutCorrectionConfig.from_preset(name, **overrides)` or directly.
-    Construction validates every field; invalid values raise `ValueError`.
+    Construction validates every field; invalid values raise `ValueError`. The CISPO/GMPO/VESPO parameters
+    are `ObjectiveParams`' fields (shared with `PolicyLossConfig`).
     """
 
     rollout_is: IsLevel | None = None
@@ -123,30 +126,6 @@ class RolloutCorrectionConfig:
     loss_type: LossType = "ppo_clip"
     """Policy loss: `ppo_clip`, `reinforce` (bypass only: pure IS, -sg(w) * A * log pi_theta), `cispo`, `gmpo` or
     `vespo` (math.md)."""
-
-    cispo_ratio_low: float = 0.0
-    """CISPO: lower bound on the ratio r before the stop-gradient (0 = no lower bound, ScaleRL / SkyRL default)."""
-
-    cispo_ratio_high: float = 5.0
-    """CISPO: upper bound on the ratio r (5.0 = SkyRL's default 1 + cispo_eps_clip_high = 1 + 4)."""
-
-    gmpo_ratio_low: float = math.exp(-0.4)
-    """GMPO: lower clip bound on each token ratio, in (0, 1] (TRL's default exp(-epsilon), epsilon = 0.4)."""
-
-    gmpo_ratio_high: float = math.exp(0.4)
-    """GMPO: upper clip bound on each token ratio, >= 1 (TRL's default exp(epsilon_high) = exp(0.4))."""
-
-    vespo_k_pos: float = 2.0
-    """VESPO: power k of the Gamma kernel phi(w) = exp(lambda + k log w - lambda w) for advantages >= 0 (TRL: 2)."""
-
-    vespo_lambda_pos: float = 3.0
-    """VESPO: decay lambda of the kernel for advantages >= 0, > 0 (TRL: 3)."""
-
-    vespo_k_neg: float = 3.0
-    """VESPO: power k for advantages < 0, >= 0 (TRL: 3)."""
-
-    vespo_lambda_neg: float = 2.0
-    """VESPO: decay lambda for advantages < 0, > 0 (TRL: 2)."""
 
     metrics_only: bool = False
     """Compute every diagnostic but apply nothing: weights are 1 and only the non-finite policy edits the mask."""
@@ -228,18 +207,13 @@ class RolloutCorrectionConfig:
             raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='cispo': CISPO's clipped "
                              "ratio pi_theta/pi_rollout already is the IS correction (SkyRL's cispo_anchor='rollout' "
                              "refuses TIS for the same reason)")
-        _check_cispo_bounds(self.cispo_ratio_low, self.cispo_ratio_high)
         if self.bypass_mode and self.loss_type == "gmpo" and self.rollout_is is not None:
             raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='gmpo': GMPO's clipped "
                              "ratio pi_theta/pi_rollout already is the IS correction (weights would apply twice)")
-        _check_gmpo_bounds(self.gmpo_ratio_low, self.gmpo_ratio_high)
         if self.bypass_mode and self.loss_type == "vespo" and self.rollout_is is not None:
             raise ValueError("rollout_is must be null with bypass_mode=true and loss_type='vespo': VESPO's sequence "
                              "weight of pi_theta/pi_rollout already is the IS correction (weights would apply twice)")
-        for name in ("vespo_k_pos", "vespo_k_neg"):
-            _check_nonnegative(name, getattr(self, name))
-        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
-            _check_positive(name, getattr(self, name))
+        self.check_objective_params()
         if self.loss_type == "reinforce" and not self.bypass_mode:
             raise ValueError("loss_type='reinforce' (pure IS) needs bypass_mode=true; in decoupled mode choose "
                              "the policy loss with PolicyLossConfig.loss_type")
@@ -395,14 +369,6 @@ def _check_old_logprob_source(source: str, check_every: object, bypass_mode: boo
                          f"(got {source!r}); set it to 0")
 
 
-def _check_cispo_bounds(low: object, high: object) -> None:
-    _check_nonnegative("cispo_ratio_low", low)
-    _check_positive("cispo_ratio_high", high)
-    assert isinstance(low, (int, float)) and isinstance(high, (int, float))  # checked just above
-    if low > high:
-        raise ValueError(f"cispo_ratio_low ({low:g}) must be <= cispo_ratio_high ({high:g}): they bound the ratio r")
-
-
 def _check_target_ess(cfg: RolloutCorrectionConfig) -> None:
     value = cfg.rollout_is_target_ess
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
@@ -418,16 +384,6 @@ def _check_target_ess(cfg: RolloutCorrectionConfig) -> None:
     if cfg.old_logprob_source == "loglinear":
         raise ValueError("rollout_is_target_ess needs the step's log-ratios before the update (a pre-pass); "
                          "old_logprob_source='loglinear' has none: use 'forward' or set rollout_is_target_ess null")
-
-
-def _check_gmpo_bounds(low: object, high: object) -> None:
-    _check_positive("gmpo_ratio_low", low)
-    _check_positive("gmpo_ratio_high", high)
-    assert isinstance(low, (int, float)) and isinstance(high, (int, float))  # checked just above
-    if low > 1.0:
-        raise ValueError(f"gmpo_ratio_low must be in (0, 1] (it clips the token ratio from below), got {low!r}")
-    if high < 1.0:
-        raise ValueError(f"gmpo_ratio_high must be >= 1 (it clips the token ratio from above), got {high!r}")
 
 
 def _check_positive(name: str, value: object) -> None:

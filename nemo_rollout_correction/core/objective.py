@@ -25,6 +25,7 @@ from torch import Tensor
 from nemo_rollout_correction.core.aggregation import Count, aggregate_loss, count_for_denominator
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import RolloutCorrectionOutput, compute_rollout_correction
+from nemo_rollout_correction.core.objective_params import objective_params
 from nemo_rollout_correction.core.policy_loss import (
     PolicyLossConfig,
     PolicyLossOutput,
@@ -49,16 +50,8 @@ def policy_loss_for(rc_cfg: RolloutCorrectionConfig, loss_cfg: PolicyLossConfig 
     loss_cfg = loss_cfg or PolicyLossConfig()
     if rc_cfg.pure_is:
         return replace(loss_cfg, loss_type="reinforce", clip_ratio_c=None)
-    if rc_cfg.loss_type == "cispo":
-        return replace(loss_cfg, loss_type="cispo", clip_ratio_c=None, cispo_ratio_low=rc_cfg.cispo_ratio_low,
-                       cispo_ratio_high=rc_cfg.cispo_ratio_high)
-    if rc_cfg.loss_type == "gmpo":
-        return replace(loss_cfg, loss_type="gmpo", clip_ratio_c=None, gmpo_ratio_low=rc_cfg.gmpo_ratio_low,
-                       gmpo_ratio_high=rc_cfg.gmpo_ratio_high)
-    if rc_cfg.loss_type == "vespo":
-        return replace(loss_cfg, loss_type="vespo", clip_ratio_c=None, vespo_k_pos=rc_cfg.vespo_k_pos,
-                       vespo_lambda_pos=rc_cfg.vespo_lambda_pos, vespo_k_neg=rc_cfg.vespo_k_neg,
-                       vespo_lambda_neg=rc_cfg.vespo_lambda_neg)
+    if rc_cfg.loss_type in ("cispo", "gmpo", "vespo"):
+        return replace(loss_cfg, loss_type=rc_cfg.loss_type, clip_ratio_c=None, **objective_params(rc_cfg))
     return loss_cfg
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from nemo_rollout_correction.core.aggregation import LOSS_AGG_MODES, LossAggMode, masked_sum, safe_divide
+from nemo_rollout_correction.core.objective_params import ObjectiveParams
 
 __all__ = [
     "POLICY_LOSS_TYPES",
@@ -59,8 +60,9 @@ class PolicyLossOutput:
 
 
 @dataclass(frozen=True)
-class PolicyLossConfig:
-    """Which policy loss to use and how to clip and reduce it."""
+class PolicyLossConfig(ObjectiveParams):
+    """Which policy loss to use and how to clip and reduce it (the CISPO/GMPO/VESPO parameters are
+    `ObjectiveParams`' fields)."""
 
     loss_type: PolicyLossType = "ppo_clip"
     """``ppo_clip`` (PPO, optional dual clip), ``gspo`` (sequence-level ratio), ``reinforce``, ``cispo`` or
@@ -73,23 +75,6 @@ class PolicyLossConfig:
     """Dual-clip constant for negative advantages (> 1, typically 3.0); ``None`` disables it."""
     loss_agg_mode: LossAggMode = "token-mean"
     """How the caller reduces the per-token loss; see ``aggregate_loss``."""
-    cispo_ratio_low: float = 0.0
-    """CISPO: lower bound on the ratio before its stop-gradient (>= 0; 0 = none)."""
-    cispo_ratio_high: float = 5.0
-    """CISPO: upper bound on the ratio before its stop-gradient (>= cispo_ratio_low)."""
-    gmpo_ratio_low: float = math.exp(-0.4)
-    """GMPO: lower clip bound on each token ratio (0 < low <= 1; TRL's exp(-epsilon), epsilon = 0.4)."""
-    gmpo_ratio_high: float = math.exp(0.4)
-    """GMPO: upper clip bound on each token ratio (>= 1; TRL's exp(epsilon_high))."""
-    vespo_k_pos: float = 2.0
-    """VESPO: power k of the Gamma kernel for A >= 0 (>= 0; TRL's default)."""
-    vespo_lambda_pos: float = 3.0
-    """VESPO: decay lambda of the Gamma kernel for A >= 0 (> 0)."""
-    vespo_k_neg: float = 3.0
-    """VESPO: power k for A < 0 (>= 0)."""
-    vespo_lambda_neg: float = 2.0
-    """VESPO: decay lambda for A < 0 (> 0)."""
-
     def __post_init__(self) -> None:
         if self.loss_type not in POLICY_LOSS_TYPES:
             raise ValueError(
@@ -101,9 +86,7 @@ class PolicyLossConfig:
                 f"clip_ratio_c (dual clip) only applies to loss_type='ppo_clip'; "
                 f"set it to None for loss_type={self.loss_type!r}"
             )
-        _check_cispo_ratios(self.cispo_ratio_low, self.cispo_ratio_high)
-        _check_gmpo_ratios(self.gmpo_ratio_low, self.gmpo_ratio_high)
-        _check_vespo(self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg)
+        self.check_objective_params()
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(
                 f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg_mode!r}"
@@ -191,7 +174,7 @@ def cispo_loss(
         ``pg_clipfrac_lower_sum`` (those below ``ratio_low``), ``cispo_weight_sum`` (the applied
         clipped ratio), ``ppo_kl_sum`` and ``num_tokens``.
     """
-    _check_cispo_ratios(ratio_low, ratio_high)
+    ObjectiveParams(cispo_ratio_low=ratio_low, cispo_ratio_high=ratio_high).check_objective_params()
     keep, (logprobs, old_logprobs, advantages) = _mask_inputs(
         mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
     )
@@ -252,7 +235,7 @@ def gmpo_loss(
         ``high`` or ``A < 0`` below ``low``), ``pg_clipfrac_lower_sum`` (the latter),
         ``gmpo_seq_ratio_sum`` (``G_i`` summed over the kept tokens), ``ppo_kl_sum``, ``num_tokens``.
     """
-    _check_gmpo_ratios(ratio_low, ratio_high)
+    ObjectiveParams(gmpo_ratio_low=ratio_low, gmpo_ratio_high=ratio_high).check_objective_params()
     keep, (logprobs, old_logprobs, advantages) = _mask_inputs(
         mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
     )
@@ -329,7 +312,8 @@ def vespo_loss(
         per-token loss and stats ``vespo_phi_sum`` (``phi`` summed over the kept tokens), ``ppo_kl_sum``,
         ``num_tokens`` and zero clip counts (VESPO has no clip).
     """
-    _check_vespo(k_pos, lambda_pos, k_neg, lambda_neg)
+    ObjectiveParams(vespo_k_pos=k_pos, vespo_lambda_pos=lambda_pos, vespo_k_neg=k_neg,
+                    vespo_lambda_neg=lambda_neg).check_objective_params()
     keep, (logprobs, old_logprobs, advantages) = _mask_inputs(
         mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
     )
@@ -540,33 +524,6 @@ def _check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float, clip_ratio
         raise ValueError(f"clip_ratio_high must be >= 0; got {clip_ratio_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None; got {clip_ratio_c}")
-
-
-def _check_cispo_ratios(ratio_low: float, ratio_high: float) -> None:
-    # "not (ok)" so that NaN fails.
-    if not (0.0 <= ratio_low <= ratio_high and 0.0 < ratio_high < math.inf):
-        raise ValueError(
-            f"cispo_ratio_low / cispo_ratio_high must satisfy 0 <= low <= high, 0 < high < inf (they bound the ratio "
-            f"pi_theta / pi_old); got low={ratio_low}, high={ratio_high}"
-        )
-
-
-def _check_gmpo_ratios(ratio_low: float, ratio_high: float) -> None:
-    # "not (ok)" so that NaN fails.
-    if not (0.0 < ratio_low <= 1.0 <= ratio_high < math.inf):
-        raise ValueError(
-            f"gmpo_ratio_low / gmpo_ratio_high must satisfy 0 < low <= 1 <= high < inf (they clip each token ratio "
-            f"pi_theta / pi_old; TRL's exp(-epsilon), exp(epsilon_high)); got low={ratio_low}, high={ratio_high}"
-        )
-
-
-def _check_vespo(k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> None:
-    for name, value, low in (("vespo_k_pos", k_pos, 0.0), ("vespo_k_neg", k_neg, 0.0)):
-        if not (low <= value < math.inf):  # "not (ok)" so that NaN fails
-            raise ValueError(f"{name} (the Gamma kernel's power) must be a finite number >= 0, got {value}")
-    for name, value in (("vespo_lambda_pos", lambda_pos), ("vespo_lambda_neg", lambda_neg)):
-        if not (0.0 < value < math.inf):
-            raise ValueError(f"{name} (the Gamma kernel's decay) must be a finite number > 0, got {value}")
 
 
 def _mask_inputs(mask: Tensor, **tensors: Tensor) -> tuple[Tensor, list[Tensor]]:
