@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,10 @@ def run_ours(steps: int, workdir: Path, label: str, overrides: list[str]) -> dic
     cmd = [sys.executable, "-m", "nemo_rollout_correction.cli", "train", f"run.num_steps={steps}",
            f"run.output_dir={out}", "tracking.enabled=false", "checkpoint.every_n_steps=0", *overrides]
     rows, _ = run_nrc_train(cmd, out, f"[bench_vs_trl] {label}")
+    # Only the metrics are read: the end-of-run checkpoint (about 1.5 GB for SmolLM2 with its optimizer state)
+    # and the Hugging Face export (0.5 GB) go, since nine runs' worth filled this machine's disk once.
+    for bulky in ("checkpoints", "hf"):
+        shutil.rmtree(out / bulky, ignore_errors=True)
     return {"step": [r["timing/step_s"] for r in rows], "generate": [r["timing/generation_s"] for r in rows],
             "sync": [r["timing/refit_s"] for r in rows], "tokens": [r["perf/num_generated_tokens"] for r in rows]}
 
@@ -92,6 +97,7 @@ def run_trl(steps: int, workdir: Path, label: str, model_dir: str, prompts: list
         sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-6000:])
         raise SystemExit(f"{label}: TRL job exited {proc.returncode}")
     result: dict[str, list[float]] = json.loads(out_path.read_text())
+    shutil.rmtree(workdir / label, ignore_errors=True)  # TRL's output_dir (nothing is read from it)
     return result
 
 
