@@ -1,6 +1,12 @@
 """Multi-turn with the trainer's other machinery, without an engine (the default lane's checks; the real-engine runs
-are tests/integration/test_multi_turn_async.py):
+are tests/integration/test_multi_turn_async.py and tests/integration/test_multi_turn_layouts.py):
 
+- turn seeds do not depend on the number of engines: one engine generating every prompt draws the same
+  trajectories as two engines each generating a contiguous share from its shard seed (`rollout.placement`),
+  also when trajectories end at different turns;
+- several engines with rewritten histories: `trajectory_train_rows` gives each data-parallel rank the
+  trajectories owning the segment rows it trains, so after `localize` and the split every trained row has its
+  behaviour logprobs;
 - DAPO on multi-turn samples: dynamic sampling keeps whole trajectories by group, the overlong filter drops a
   trajectory whose last turn was cut, and the loss mask still excludes the observation tokens;
 - the reward workers score multi-turn records (the environment reward travels in the pickled records) exactly as
@@ -12,12 +18,17 @@ are tests/integration/test_multi_turn_async.py):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from nemo_rollout_correction.rollout.multi_turn import OBSERVATION, split_segments
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.multi_turn import OBSERVATION, EnvState, EnvStep, split_segments
+from nemo_rollout_correction.rollout.multi_turn_loop import run_multi_turn
+from nemo_rollout_correction.rollout.placement import prompt_shard, shard_request_seed
+from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample, SamplingOptions
 from nemo_rollout_correction.trainer.async_rollouts import (
     PendingBatch,
     RolloutPipeline,
@@ -34,10 +45,101 @@ from nemo_rollout_correction.trainer.dynamic_sampling import (
 from nemo_rollout_correction.trainer.environments import (
     ENV_REWARD_KEY,
     environment_reward,
+    trajectory_train_rows,
 )
+from nemo_rollout_correction.trainer.policy_update import train_rows
 from nemo_rollout_correction.trainer.reward_pool import RewardPool
 from nemo_rollout_correction.trainer.rewards import score
 from nemo_rollout_correction.trainer.tasks import build_task
+
+
+class SeededEngine:
+    """Tokens drawn from the request seed alone (vLLM's contract: prompt i of a call gets `seed + i * n`, its n
+    samples consecutive seeds), so a test sees exactly which seed each sample got. Counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingOptions,
+                 seed: int | None = None) -> RolloutBatch:
+        assert seed is not None
+        self.calls.append(len(prompt_token_ids))
+        samples = []
+        for i, prompt in enumerate(prompt_token_ids):
+            for j in range(sampling.n):
+                digest = hashlib.sha256(f"{seed + i * sampling.n + j}".encode()).digest()
+                tokens = [10 + b % 50 for b in digest[:sampling.max_tokens]]
+                samples.append(RolloutSample(prompt_index=i, prompt_token_ids=list(prompt), token_ids=tokens,
+                                             logprobs=[-b / 100 for b in digest[:sampling.max_tokens]],
+                                             finish_reason="length", text=" ".join(map(str, tokens))))
+        return RolloutBatch(samples, n=sampling.n, seconds=0.0)
+
+
+def _some_end_early(state: EnvState, turn: list[int]) -> EnvStep:
+    """Ends a trajectory whose turn starts with an even token (about half of them, at every turn)."""
+    if turn[0] % 2 == 0:
+        return EnvStep(done=True, reward=1.0)
+    return EnvStep(observation=[3, 4], reward=0.5)
+
+
+def _run(engine: SeededEngine, prompts: list[list[int]], records: list[PromptRecord], seed: int,
+         env: Any = _some_end_early) -> list[RolloutSample]:
+    return run_multi_turn(engine, prompts, records, SamplingOptions(n=2, max_tokens=4), env,
+                          encode=lambda text, turn: [1], decode=lambda ids: "", max_turns=4, max_model_len=512,
+                          seed=seed).batch.samples
+
+
+def test_turn_seeds_do_not_depend_on_the_number_of_engines() -> None:
+    prompts = [[100 + p, 7] for p in range(5)]
+    records = [PromptRecord(f"q{p}") for p in range(5)]
+    n, call_seed = 2, 1234
+    one = _run(SeededEngine(), prompts, records, call_seed)
+    assert len({len(s.token_ids) for s in one}) > 2, "trajectories end at different turns"
+    for engines in (2, 3):
+        shared: list[RolloutSample] = []
+        for e in range(engines):
+            shard = prompt_shard(len(prompts), engines, e)
+            seed = shard_request_seed(call_seed, shard.start, n)  # as RolloutFleet.generate_local seeds its engine
+            got = _run(SeededEngine(), [prompts[i] for i in shard], [records[i] for i in shard], seed)
+            shared += [dataclasses.replace(s, prompt_index=s.prompt_index + shard.start) for s in got]
+        assert [(s.prompt_index, s.token_ids, s.logprobs, s.turn_ids) for s in shared] == \
+            [(s.prompt_index, s.token_ids, s.logprobs, s.turn_ids) for s in one], engines
+
+
+def test_a_turn_is_one_call_while_every_trajectory_is_live() -> None:
+    engine = SeededEngine()
+    samples = _run(engine, [[1, 2], [3, 4]], [PromptRecord("a"), PromptRecord("b")], 5,
+                   env=lambda state, turn: EnvStep(observation=[9]))
+    assert engine.calls == [2, 4, 4, 4]  # turn 0 (2 prompts x n=2), then one call of the 4 live trajectories
+    assert all(max(s.turn_ids) == 3 for s in samples)
+
+
+def _sample(prompt: int, tokens: int, *, segments: list[tuple[int, list[int]]] | None = None) -> RolloutSample:
+    turn_ids = [0] * tokens
+    return RolloutSample(prompt_index=prompt, prompt_token_ids=[1, 2], token_ids=list(range(20, 20 + tokens)),
+                         logprobs=[-0.1 * (k + 1) for k in range(tokens)], finish_reason="stop", turn_ids=turn_ids,
+                         segments=segments)
+
+
+def test_trajectory_train_rows_give_each_rank_the_owners_of_its_segment_rows() -> None:
+    plain = RolloutBatch([_sample(0, 3), _sample(0, 3)], n=2, seconds=0.0)
+
+    def rows(num: int, dp: int) -> torch.Tensor:
+        return train_rows(num, 1, 2, dp)
+
+    assert trajectory_train_rows(plain, rows) is rows
+    rewritten = RolloutBatch([_sample(0, 4), _sample(0, 6, segments=[(2, [5, 6]), (4, [7])]), _sample(1, 4),
+                              _sample(1, 4)], n=2, seconds=0.0)
+    split, owner = split_segments(rewritten.samples)
+    assert owner == [0, 1, 1, 1, 2, 3]
+    per_trajectory = trajectory_train_rows(rewritten, rows)
+    assert per_trajectory(4, 0).tolist() == [0, 1] and per_trajectory(4, 1).tolist() == [1, 2, 3]
+    for dp in range(2):  # what localize leaves on rank dp, then the step's split: every trained row has logprobs
+        kept = set(per_trajectory(4, dp).tolist())
+        local = [s if i in kept else dataclasses.replace(s, logprobs=[]) for i, s in enumerate(rewritten.samples)]
+        local_rows, _ = split_segments(local)
+        for row in rows(len(split), dp).tolist():
+            assert local_rows[row].logprobs == split[row].logprobs and split[row].logprobs
 
 
 def _multi_turn(prompt: int, index: int, finish: str) -> RolloutSample:
