@@ -70,6 +70,9 @@ def test_async_dapo_reward_workers_multi_turn_run(straight: list[dict[str, Any]]
     for key in ("rollout_corr/k3_kl", "rollout_corr/turn_0/k3_kl", "rollout_corr/turn_1/k3_kl"):
         assert first[key] < 1e-9, (key, first[key])  # float32 engine and trainer on the same weights
     assert first["rollout_corr/turn_1/num_tokens"] > 0
+    print("\n" + "; ".join(f"step {m['step']}: k3 {m['rollout_corr/k3_kl']:.2e}, staleness "
+                           f"{m['rollout/staleness_mean']}, refills {m['grpo/refill_batches']:.0f}, "
+                           f"turns {m['multi_turn/num_turns_mean']:.2f}" for m in straight))
     # a later batch with no refill is one version old, and the policy moved: the mismatch shows it
     later = [m for m in straight[1:] if m["grpo/refill_batches"] == 0 and m["optim/num_updates"] > 0]
     assert later, "no later step trained on the queued batch alone"

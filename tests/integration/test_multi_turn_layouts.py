@@ -31,8 +31,8 @@ require("vllm", "cpu")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
-COMMON = [*TINY_FAST, "tracking.enabled=false", "tracking.system_metrics=false", "checkpoint.every_n_steps=0",
-          "rollout.max_new_tokens=8", "task.prompts_per_step=2", "run.num_steps=2",
+COMMON = [*TINY_FAST, "policy.micro_batch_size=4", "tracking.enabled=false", "tracking.system_metrics=false",
+          "checkpoint.every_n_steps=0", "rollout.max_new_tokens=8", "task.prompts_per_step=2", "run.num_steps=2",
           "rollout_correction.sequence_unit=turn"]
 TASKS = {
     "feedback": ["task=arithmetic_feedback", "rollout.max_turns=3", "rollout_correction=seq_is"],
