@@ -15,10 +15,12 @@ A trajectory ends when the environment says `done`, after `max_turns` turns, or 
 in `max_model_len` (its observation is then not appended). Its reward is the sum of the rewards the environment
 returned (the trainer's reward function reads it from `record.metadata["env_reward"]`, trainer/environments.py).
 
-Seeds: turn 0 uses the call's seeds (`VllmRolloutEngine.generate`); turn `k >= 1` seeds the `j`-th live
-trajectory (in sample order) with `seed + k * TURN_SEED_STRIDE + j`, so every turn draws afresh and a resumed
-run draws the same tokens. With several engines the live trajectories are numbered per engine, so after turn 0
-the samples depend on the number of engines (single-turn samples do not).
+Seeds: turn 0 uses the call's seeds (`VllmRolloutEngine.generate`: sample `i` of the call gets `seed + i`);
+turn `k >= 1` seeds trajectory `i` (its index among the call's samples) with `seed + k * TURN_SEED_STRIDE + i`,
+whichever trajectories are still live, so every turn draws afresh, a resumed run draws the same tokens, and an
+engine that generates a contiguous share of the prompts from `seed + first sample` (`rollout.placement`) draws
+the same tokens as one engine generating them all: the samples do not depend on the number of engines. A turn is
+one `generate` call per run of consecutive live trajectories (one call while none has ended).
 """
 
 from __future__ import annotations
@@ -176,14 +178,12 @@ def run_multi_turn(engine: _Engine, prompts: Sequence[Sequence[int]], records: S
         if not pending:
             break
         live = [i for i, _ in pending]
-        # One call for the turn; trajectories near max_model_len (a smaller max_tokens) get a call each, so the
-        # j-th live trajectory keeps its seed (generate seeds prompt j of a call with seed + j).
-        budgets = {b for _, b in pending}
-        calls = [pending] if len(budgets) == 1 else [[p] for p in pending]
-        for call in calls:
+        for call in _turn_calls(pending):
             group = [i for i, _ in call]
             turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=call[0][1])
-            turn_seed = None if seed is None else seed + turn * TURN_SEED_STRIDE + live.index(group[0])
+            # trajectory i (its index among this call's samples) gets seed + turn * stride + i: generate seeds
+            # prompt j of a call with seed + j, and the calls hold runs of consecutive trajectories
+            turn_seed = None if seed is None else seed + turn * TURN_SEED_STRIDE + group[0]
             out = engine.generate([trajectories[i].context for i in group], turn_sampling, seed=turn_seed)
             seconds += out.seconds
             for i, sample in zip(group, out.samples, strict=True):
@@ -198,6 +198,20 @@ def run_multi_turn(engine: _Engine, prompts: Sequence[Sequence[int]], records: S
     ]
     rewards = [float(sum(s.rewards)) for s in states]
     return MultiTurnResult(RolloutBatch(samples, n=first.n, seconds=seconds), rewards, states)
+
+
+def _turn_calls(pending: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """A turn's `generate` calls: `pending` (trajectory index, max_tokens) cut into maximal runs of consecutive
+    trajectory indices with one max_tokens, so each trajectory's seed is `seed + turn * stride + its index` whatever
+    the other trajectories do. All trajectories live and far from max_model_len: one call."""
+    calls: list[list[tuple[int, int]]] = []
+    for item in pending:
+        last = calls[-1][-1] if calls else None
+        if last is not None and item[0] == last[0] + 1 and item[1] == last[1]:
+            calls[-1].append(item)
+        else:
+            calls.append([item])
+    return calls
 
 
 def _context_ids(context: list[int] | list[dict[str, str]], render: ContextRenderer | None, where: str) -> list[int]:

@@ -26,6 +26,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.losses.rollout_corrected_pg import TOKEN_DENOMINATOR_MODES
 from nemo_rollout_correction.rollout.multi_turn import EnvState, EnvStep, split_segments
@@ -55,6 +58,7 @@ __all__ = [
     "retokenized_chat_ids",
     "sequence_level_parts",
     "split_rewritten",
+    "trajectory_train_rows",
 ]
 
 ENV_REWARD_KEY = "env_reward"
@@ -208,27 +212,44 @@ def check_rewrites_supported(cfg: TrainConfig, what: str | None = None) -> None:
                          f"sequence; use one of {', '.join(TOKEN_DENOMINATOR_MODES)}")
 
 
-def split_rewritten(cfg: TrainConfig, batch: RolloutBatch,
-                    num_engines: int) -> tuple[RolloutBatch, list[int]] | None:
+def split_rewritten(cfg: TrainConfig, batch: RolloutBatch) -> tuple[RolloutBatch, list[int]] | None:
     """Rewritten histories: the step's batch with one row per exact-prefix segment, and each row's sample (to
     broadcast the trajectory's advantage: `advantages[owner]`); None when no sample was rewritten.
 
     Refused, naming the key: a sequence-level decision under `sequence_unit=trajectory` (a trajectory's segments
     are separate rows, possibly in other microbatches or on other ranks, and the correction aggregates per row:
-    set `rollout_correction.sequence_unit=turn`, a turn lies inside one segment), a loss whose denominator counts
-    sequences (`grpo.loss_agg_mode=seq-mean-*` would count segments), and several engines
-    (`rollout.placement=per_dp_group` with data parallelism: the logprobs are moved to the ranks by trajectory,
-    before the split). num_engines: the fleet's engines.
+    set `rollout_correction.sequence_unit=turn`, a turn lies inside one segment) and a loss whose denominator
+    counts sequences (`grpo.loss_agg_mode=seq-mean-*` would count segments). A sample without its logprobs (with
+    several engines, one another data-parallel group trains: `trajectory_train_rows`) gives rows without them.
     """
     if not any(s.segments for s in batch.samples):
         return None
-    what = "the environment rewrote a history (rewritten histories, docs/multi_turn.md)"
-    check_rewrites_supported(cfg, what)
-    if num_engines > 1:
-        raise ValueError(f"{what}: {num_engines} engines (rollout.placement=per_dp_group with data parallelism) are "
-                         "not supported with rewritten histories; set rollout.placement=rank0")
+    check_rewrites_supported(cfg, "the environment rewrote a history (rewritten histories, docs/multi_turn.md)")
     rows, owner = split_segments(batch.samples)
     return RolloutBatch(rows, n=batch.n, seconds=batch.seconds), owner
+
+
+def trajectory_train_rows(batch: RolloutBatch,
+                          train_rows: Callable[[int, int], Tensor]) -> Callable[[int, int], Tensor]:
+    """The trajectories of `batch` each data-parallel rank needs the logprobs of, as `train_rows` for
+    `RolloutFleet.localize` (several engines move logprobs to the ranks that train them, by trajectory).
+
+    train_rows: `(num_rows, dp_rank) -> [rows]` the rows of the step's training batch a rank trains. Without a
+    rewritten history the training batch is `batch`: `train_rows` itself. With one, the training batch holds a row
+    per exact-prefix segment (`split_rewritten`, after `localize`), so a rank needs the trajectories owning its
+    segment rows; the split depends only on token ids and `segments`, which every rank already holds.
+    """
+    if not any(s.segments for s in batch.samples):
+        return train_rows
+    _, owner = split_segments(batch.samples)
+
+    def rows(num_samples: int, dp_rank: int) -> Tensor:
+        if num_samples != len(batch.samples):
+            raise ValueError(f"trajectory_train_rows: asked for {num_samples} samples, the batch has "
+                             f"{len(batch.samples)}")
+        return torch.tensor(sorted({owner[r] for r in train_rows(len(owner), dp_rank).tolist()}), dtype=torch.long)
+
+    return rows
 
 
 def check_multi_turn_supported(cfg: TrainConfig) -> None:

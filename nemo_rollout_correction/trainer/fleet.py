@@ -50,7 +50,11 @@ from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRollou
 from nemo_rollout_correction.trainer import async_rollouts, evaluation, partial_rollouts
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
-from nemo_rollout_correction.trainer.environments import check_multi_turn_supported, generate_multi_turn
+from nemo_rollout_correction.trainer.environments import (
+    check_multi_turn_supported,
+    generate_multi_turn,
+    trajectory_train_rows,
+)
 from nemo_rollout_correction.trainer.rewards import score
 from nemo_rollout_correction.trainer.settings import (
     broadcast_rollouts,
@@ -195,7 +199,8 @@ class RolloutFleet:
                                              lambda records, attempt: self.rollout(records, step, attempt), self.dapo)
             seconds = {"generation": time.perf_counter() - start}
         refit_seconds = self.engine_refit_seconds
-        return CollectedRollouts(rollouts, self.localize(rollouts.batch, step, train_rows), seconds, refit_seconds)
+        rows = trajectory_train_rows(rollouts.batch, train_rows)  # rewritten histories: the trajectories of its rows
+        return CollectedRollouts(rollouts, self.localize(rollouts.batch, step, rows), seconds, refit_seconds)
 
     def rollout(self, records: list[PromptRecord], step: int, attempt: int = 0) -> tuple[RolloutBatch, list[float]]:
         """Generate and score `records` for `step`; identical (batch, rewards) on every rank (collective).

@@ -260,7 +260,7 @@ class GrpoTrainer:
             advantages = grpo_advantages(torch.tensor(rollouts.rewards, dtype=torch.float32), group_size=batch.n,
                                          normalize_by_std=self.cfg.grpo.normalize_advantages_by_std)
             review_rewards = reward_t
-            split = split_rewritten(self.cfg, batch, self.fleet.num_engines)  # rewritten histories: a row per segment
+            split = split_rewritten(self.cfg, batch)  # rewritten histories: a row per segment
             if split is not None:  # the trajectory's advantage (and reward, for the review) broadcast to its rows
                 batch, advantages, review_rewards = split[0], advantages[split[1]], reward_t[split[1]]
             tensors = batch.to_tensors(self.pad_id)

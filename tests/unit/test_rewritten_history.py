@@ -101,17 +101,15 @@ def test_split_rewritten_refuses_what_acts_per_sequence(tmp_path: Path) -> None:
 
     batch = RolloutBatch([_rewritten()], n=1, seconds=0.0)
     turn = ["rollout_correction.sequence_unit=turn"]
-    out = split_rewritten(load_config(turn, tmp_path), batch, num_engines=1)
+    out = split_rewritten(load_config(turn, tmp_path), batch)
     assert out is not None and out[1] == [0, 0] and len(out[0]) == 2
     unsplit = RolloutBatch([RolloutSample(0, [1], [2], [-1.0], "stop", "x", turn_ids=[0])], n=1, seconds=0.0)
-    assert split_rewritten(load_config([], tmp_path), unsplit, num_engines=1) is None
+    assert split_rewritten(load_config([], tmp_path), unsplit) is None
     with pytest.raises(ValueError, match=r"sequence_unit=trajectory with sequence-level decisions "
                                          r"\(rollout_token_veto_threshold=0.0001, nonfinite_policy=reject_sequence\)"):
-        split_rewritten(load_config([], tmp_path), batch, num_engines=1)
+        split_rewritten(load_config([], tmp_path), batch)
     with pytest.raises(ValueError, match=r"grpo.loss_agg_mode=seq-mean-token-mean would count each segment"):
-        split_rewritten(load_config([*turn, "grpo.loss_agg_mode=seq-mean-token-mean"], tmp_path), batch, 1)
-    with pytest.raises(ValueError, match=r"set rollout.placement=rank0"):
-        split_rewritten(load_config(turn, tmp_path), batch, num_engines=2)
+        split_rewritten(load_config([*turn, "grpo.loss_agg_mode=seq-mean-token-mean"], tmp_path), batch)
 
 
 def test_the_compaction_task_is_refused_at_start_without_the_turn_unit(tmp_path: Path) -> None:
