@@ -192,13 +192,18 @@ def test_async_every_token_is_corrected_with_the_behaviour_logprob_of_its_own_ve
     assert max(r["metrics"]["rollout_corr/k3_kl"] for r in report[1:]) > 1e-6
 
 
+# the mismatch alarm, on and never strict: its lag references (learnt from step 2 on) are checkpointed
+ALARM = ["rollout_correction.alert.factor_over_floor=1000", "rollout_correction.alert.lag_reference_steps=1"]
+
+
 def test_async_resume_with_in_flight_and_carried_over_responses_matches_the_uninterrupted_run(tmp_path: Path) -> None:
     """A checkpoint at step 2 holds the pipeline's queued batch (step 3) and the pool after its job; the resumed run
-    equals the uninterrupted one on every metric of steps 3-4."""
+    equals the uninterrupted one on every metric of steps 3-4 (`alert/mismatch` included), and ends with its mismatch
+    alarm state (the lag references of steps 2-4, restored from the checkpoint's meta.json, not re-learnt)."""
     straight = tmp_path / "straight"
-    nrc(straight, *ASYNC[len(PARTIAL):], "run.num_steps=4")
+    nrc(straight, *ASYNC[len(PARTIAL):], *ALARM, "run.num_steps=4")
     split = tmp_path / "split"
-    nrc(split, *ASYNC[len(PARTIAL):], "run.num_steps=2")
+    nrc(split, *ASYNC[len(PARTIAL):], *ALARM, "run.num_steps=2")
     step_dir = split / "checkpoints" / "step_2"
     from nemo_rollout_correction.trainer.checkpoint import load_data_file
 
@@ -206,9 +211,14 @@ def test_async_resume_with_in_flight_and_carried_over_responses_matches_the_unin
     assert pool["in_pool"] == len(pool["groups"]) == 8
     assert [t["step"] for t in pool["trained"]] == [2, 3]  # the queued jobs of steps 3-4 already took their groups
     assert (step_dir / "async_rollouts" / "rank_0.pt").exists()
-    resumed = nrc(split, *ASYNC[len(PARTIAL):], "run.num_steps=4", "run.resume=true")
+    saved_alarm = json.loads((step_dir / "meta.json").read_text())["mismatch_alarm"]
+    assert saved_alarm["lag_steps"] == {"1": 1}, saved_alarm  # step 2 trained tokens one version old
+    resumed = nrc(split, *ASYNC[len(PARTIAL):], *ALARM, "run.num_steps=4", "run.resume=true")
     assert "restored 8 carried-over groups" in resumed.stderr
     got = read_metrics(split)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for x, y in zip(read_metrics(straight), got, strict=True):
         assert deterministic(x) == deterministic(y), f"step {x['step']} differs after resume"
+    alarm = [json.loads((run / "checkpoints" / "step_4" / "meta.json").read_text())["mismatch_alarm"]
+             for run in (straight, split)]
+    assert alarm[0] == alarm[1] and alarm[0]["lag_steps"]["1"] == 3, alarm  # steps 2-4, not 3-4 only
