@@ -8,11 +8,13 @@
 - A run checkpointed at step 2 with carried-over (unfinished) responses in the checkpoint and resumed equals the
   uninterrupted run on every metric of steps 3-4.
 - torchrun DP=2 with an engine per data-parallel group follows the one-process run (same tokens and versions), and
-  so do TP=2 and CP=2 with one engine.
-- With async rollouts (rollout.max_staleness=1): the same token-by-token check, and an exact resume with in-flight
-  batches and carried-over responses.
+  so do TP=2, CP=2 and PP=2 with one engine.
+- With async rollouts (rollout.max_staleness=1): the same token-by-token check, an exact resume with in-flight
+  batches and carried-over responses (and the mismatch alarm's checkpointed lag references), and DP=2, TP=2, CP=2
+  and PP=2 with the one engine on rank 0 following the one-process run.
 
-Both are slow (several minutes each on the shared 2-core machine).
+All are slow (several minutes each on the shared 2-core machine); the default lane's check of the async driver
+under 2 gloo ranks is tests/distributed/test_partial_async_gloo.py.
 """
 
 from __future__ import annotations
@@ -112,52 +114,73 @@ def test_resume_with_carried_over_responses_matches_the_uninterrupted_run(
         assert deterministic(x) == deterministic(y), f"step {x['step']} differs after resume"
 
 
+def torchrun(nproc: int = 2) -> list[str]:
+    """`torchrun --nproc_per_node <nproc> -m nemo_rollout_correction.cli train` (skips the test without torchrun)."""
+    launcher = Path(sys.executable).with_name("torchrun")
+    if not launcher.exists():
+        pytest.skip("torchrun not found")
+    return [str(launcher), "--nproc_per_node", str(nproc), "-m", "nemo_rollout_correction.cli", "train"]
+
+
+# what a layout must reproduce of the one-process run: the sampled tokens, their versions and what the trainer made of
+# them exactly; the losses and the mismatch to the round-off of the sharded matmuls and the reductions
+SAME_TOKENS = ("perf/num_generated_tokens", "reward/mean", "rollout/token_staleness_mean",
+               "rollout/token_staleness_max", "rollout/mixed_version_fraction", "rollout/carried_over_fraction",
+               "rollout/partial_pool_groups", "rollout/partial_forced_fraction", "rollout_corr/lag_1/num_tokens")
+CLOSE_LOSSES = ("loss/policy", "loss/grad_norm", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/lag_1/k3_kl")
+
+
+def assert_follows(straight: list[dict[str, Any]], got: list[dict[str, Any]], *, rel: float,
+                   same: tuple[str, ...] = SAME_TOKENS, close: tuple[str, ...] = CLOSE_LOSSES) -> None:
+    """`got` (a multi-process run) has the one-process run's steps: `same` keys equal, `close` ones to `rel`."""
+    assert [m["step"] for m in got] == [m["step"] for m in straight]
+    for a, b in zip(straight, got, strict=True):
+        assert not nan_metrics(b), (b["step"], nan_metrics(b))
+        for key in same:
+            assert a[key] == b[key], (a["step"], key)
+        for key in close:
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (a["step"], key)
+
+
 def test_two_data_parallel_ranks_with_an_engine_each_follow_the_one_process_run(
         straight: list[dict[str, Any]], tmp_path: Path) -> None:
     """torchrun DP=2 (gloo), rollout.placement=per_dp_group (auto): each engine generates its share of every call
     with the one-engine seeds and every rank holds the same pool; the rows are split between the ranks."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun not found")
     out = tmp_path / "dp2"
-    proc = nrc(out, "parallelism=dp2", "run.num_steps=4",
-               launcher=[str(torchrun), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"])
+    proc = nrc(out, "parallelism=dp2", "run.num_steps=4", launcher=torchrun())
     assert "placement per_dp_group" in proc.stderr
-    for a, b in zip(straight, read_metrics(out), strict=True):
-        assert b["rollout/num_engines"] == 2.0
-        for key in ("perf/num_generated_tokens", "reward/mean", "rollout/token_staleness_mean",
-                    "rollout/mixed_version_fraction", "rollout/carried_over_fraction", "rollout/partial_pool_groups"):
-            assert a[key] == b[key], (a["step"], key)
-        for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "loss/grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    got = read_metrics(out)
+    assert all(b["rollout/num_engines"] == 2.0 for b in got)
+    assert_follows(straight, got, rel=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "cp2"])
-def test_tensor_and_context_parallel_follow_the_one_process_run(
+@pytest.mark.parametrize("layout", ["tp2", "cp2", "pp2"])
+def test_tensor_context_and_pipeline_parallel_follow_the_one_process_run(
         straight: list[dict[str, Any]], tmp_path: Path, layout: str) -> None:
-    """torchrun TP=2 or CP=2 (gloo), one engine on rank 0 (placement rank0 at data-parallel size 1): every rank
+    """torchrun TP=2, CP=2 or PP=2 (gloo), one engine on rank 0 (placement rank0 at data-parallel size 1): every rank
     holds the same pool; the trained tokens and their versions are the one-process run's, and the trainer's
-    per-token staleness (the token_versions tensor, sharded by CP) matches it. Token ids and versions exactly;
-    losses to the round-off of the sharded matmuls."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun not found")
+    per-token staleness (the token_versions tensor, sharded by CP; with PP the loss and the staleness sums on the
+    last stage, the metrics sent to stage 0) matches it. Token ids and versions exactly; losses to the round-off of
+    the sharded matmuls."""
     out = tmp_path / layout
-    proc = nrc(out, f"parallelism={layout}", "run.num_steps=4",
-               launcher=[str(torchrun), "--nproc_per_node", "2", "-m", "nemo_rollout_correction.cli", "train"])
+    proc = nrc(out, f"parallelism={layout}", "run.num_steps=4", launcher=torchrun())
     assert "placement rank0" in proc.stderr
-    for a, b in zip(straight, read_metrics(out), strict=True):
-        for key in ("perf/num_generated_tokens", "reward/mean", "rollout/token_staleness_mean",
-                    "rollout/token_staleness_max", "rollout/mixed_version_fraction", "rollout/carried_over_fraction",
-                    "rollout/partial_pool_groups", "rollout_corr/lag_1/num_tokens"):
-            assert a[key] == b[key], (a["step"], key)
-        for key in ("loss/policy", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/lag_0/k3_kl"):
-            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (a["step"], key)
+    assert_follows(straight, read_metrics(out), rel=1e-3, close=(*CLOSE_LOSSES, "rollout_corr/lag_0/k3_kl"))
 
 
 # ---- partial rollouts inside the async pipeline (rollout.max_staleness >= 1; trainer/partial_rollouts.py) -----------
 
 ASYNC = [*PARTIAL, "rollout.max_staleness=1"]
+# the mismatch alarm, on and never strict: its lag references (learnt from step 2 on) are checkpointed
+ALARM = ["rollout_correction.alert.factor_over_floor=1000", "rollout_correction.alert.lag_reference_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def async_straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """k = 1: 4 steps in one process with the alarm on, checkpoints at steps 2 and 4 (the run's output dir)."""
+    out = tmp_path_factory.mktemp("partial_async") / "straight"
+    nrc(out, *ASYNC[len(PARTIAL):], *ALARM, "run.num_steps=4")
+    return out
 
 
 def test_async_every_token_is_corrected_with_the_behaviour_logprob_of_its_own_version(tmp_path: Path) -> None:
@@ -192,16 +215,12 @@ def test_async_every_token_is_corrected_with_the_behaviour_logprob_of_its_own_ve
     assert max(r["metrics"]["rollout_corr/k3_kl"] for r in report[1:]) > 1e-6
 
 
-# the mismatch alarm, on and never strict: its lag references (learnt from step 2 on) are checkpointed
-ALARM = ["rollout_correction.alert.factor_over_floor=1000", "rollout_correction.alert.lag_reference_steps=1"]
-
-
-def test_async_resume_with_in_flight_and_carried_over_responses_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+def test_async_resume_with_in_flight_and_carried_over_responses_matches_the_uninterrupted_run(
+        async_straight: Path, tmp_path: Path) -> None:
     """A checkpoint at step 2 holds the pipeline's queued batch (step 3) and the pool after its job; the resumed run
     equals the uninterrupted one on every metric of steps 3-4 (`alert/mismatch` included), and ends with its mismatch
     alarm state (the lag references of steps 2-4, restored from the checkpoint's meta.json, not re-learnt)."""
-    straight = tmp_path / "straight"
-    nrc(straight, *ASYNC[len(PARTIAL):], *ALARM, "run.num_steps=4")
+    straight = async_straight
     split = tmp_path / "split"
     nrc(split, *ASYNC[len(PARTIAL):], *ALARM, "run.num_steps=2")
     step_dir = split / "checkpoints" / "step_2"
@@ -222,3 +241,22 @@ def test_async_resume_with_in_flight_and_carried_over_responses_matches_the_unin
     alarm = [json.loads((run / "checkpoints" / "step_4" / "meta.json").read_text())["mismatch_alarm"]
              for run in (straight, split)]
     assert alarm[0] == alarm[1] and alarm[0]["lag_steps"]["1"] == 3, alarm  # steps 2-4, not 3-4 only
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "cp2", "pp2"])
+def test_async_under_data_tensor_context_and_pipeline_parallel_follows_the_one_process_run(
+        async_straight: Path, tmp_path: Path, layout: str) -> None:
+    """k = 1 under torchrun DP=2, TP=2, CP=2 or PP=2 (gloo) with the one engine on rank 0 (rollout.placement=auto
+    picks rank0 for async partial rollouts, also at DP=2): the pool lives in rank 0's worker, every rank tracks the
+    same in_pool count, and the prompts each step trains are broadcast from rank 0. The trained tokens, their
+    versions, the pool and the alarm are the one-process run's; losses to round-off. The checkpoints at steps 2 and
+    4 are written under the layout too (rank 0's pool and pending batch, every rank's pending file)."""
+    out = tmp_path / layout
+    proc = nrc(out, *ASYNC[len(PARTIAL):], *ALARM, f"parallelism={layout}", "run.num_steps=4", launcher=torchrun())
+    assert "placement rank0" in proc.stderr
+    straight, got = read_metrics(async_straight), read_metrics(out)
+    assert all(b["rollout/num_engines"] == 1.0 for b in got)
+    assert max(m["rollout/token_staleness_max"] for m in got) == 3.0  # three versions behind, as in one process
+    assert_follows(straight, got, rel=1e-3, same=(*SAME_TOKENS, "rollout/staleness_max", "alert/mismatch"))
+    step_dir = out / "checkpoints" / "step_4"
+    assert (step_dir / "partial_rollouts.pt").exists() and (step_dir / "async_rollouts" / "rank_1.pt").exists()
