@@ -11,8 +11,8 @@
   so do TP=2, CP=2 and PP=2 with one engine.
 - With async rollouts (rollout.max_staleness=1): the same token-by-token check (`per_token_report`, shared with the
   synchronous one), an exact resume with in-flight batches and carried-over responses (and the mismatch alarm's
-  checkpointed lag references), and DP=2, TP=2, CP=2 and PP=2 with the one engine on rank 0 following the
-  one-process run.
+  checkpointed lag references), and DP=2, TP=2, CP=2, PP=2 and TP=2 x CP=2 x DP=2 (8 ranks) with the one engine
+  on rank 0 following the one-process run.
 
 All are slow (several minutes each on the shared 2-core machine); the default lane's check of the async driver
 under 2 gloo ranks is tests/distributed/test_partial_async_gloo.py.
@@ -235,16 +235,20 @@ def test_async_resume_with_in_flight_and_carried_over_responses_matches_the_unin
     assert alarm[0] == alarm[1] and alarm[0]["lag_steps"]["1"] == 3, alarm  # steps 2-4, not 3-4 only
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "cp2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "cp2", "pp2", "tp2_cp2_dp2"])
 def test_async_under_data_tensor_context_and_pipeline_parallel_follows_the_one_process_run(
         async_straight: Path, tmp_path: Path, layout: str) -> None:
     """k = 1 under torchrun DP=2, TP=2, CP=2 or PP=2 (gloo) with the one engine on rank 0 (rollout.placement=auto
     picks rank0 for async partial rollouts, also at DP=2): the pool lives in rank 0's worker, every rank tracks the
     same in_pool count, and the prompts each step trains are broadcast from rank 0. The trained tokens, their
     versions, the pool and the alarm are the one-process run's; losses to round-off. The checkpoints at steps 2 and
-    4 are written under the layout too (rank 0's pool and pending batch, every rank's pending file)."""
+    4 are written under the layout too (rank 0's pool and pending batch, every rank's pending file). tp2_cp2_dp2:
+    the three combined on 8 ranks (Megatron order)."""
     out = tmp_path / layout
-    proc = nrc(out, *ASYNC[len(PARTIAL):], *ALARM, f"parallelism={layout}", "run.num_steps=4", launcher=torchrun())
+    overrides, nproc = [f"parallelism={layout}"], 2
+    if layout == "tp2_cp2_dp2":
+        overrides, nproc = ["parallelism=tp2_dp2", "policy.context_parallel_size=2", "launcher.nproc_per_node=8"], 8
+    proc = nrc(out, *ASYNC[len(PARTIAL):], *ALARM, *overrides, "run.num_steps=4", launcher=torchrun(nproc))
     assert "placement rank0" in proc.stderr
     straight, got = read_metrics(async_straight), read_metrics(out)
     assert all(b["rollout/num_engines"] == 1.0 for b in got)
