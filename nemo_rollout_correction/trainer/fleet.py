@@ -120,6 +120,9 @@ class RolloutFleet:
                               * cfg.rollout.num_samples_per_prompt)
         groups = self.groups
         self.placement = resolve_placement(cfg.rollout.placement, groups.dp_size)
+        partial = cfg.rollout.partial_max_tokens_per_step > 0
+        if partial and cfg.rollout.max_staleness > 0:  # async partial: the pool lives in the one engine's worker
+            self.placement = "rank0"  # auto resolves to it; an explicit per_dp_group is refused by the config
         self.num_engines = groups.dp_size if self.placement == "per_dp_group" else 1
         gpu_shards = self.placement == "per_dp_group" and torch.cuda.is_available()
         if gpu_shards and (groups.pp_size > 1 or groups.cp_size > 1):
@@ -159,18 +162,11 @@ class RolloutFleet:
             self.engine = open_engine(cfg.rollout.source, cfg.rollout.record_dir, options, self.engine_index or 0)
             log(f"[nrc train] vLLM engine up in {self.engine.start_seconds:.1f} s")
         # partial rollouts (rollout.partial_max_tokens_per_step > 0; trainer/partial_rollouts.py): the carried pool
-        partial = cfg.rollout.partial_max_tokens_per_step > 0
         self.partial = (partial_rollouts.PartialRollouts(cfg, runtime, self, sampler=sampler, tokenize=tokenize,
                                                          detokenize=partial_rollouts.detokenizer(hf_dir),
                                                          reward_fn=task.reward_fn, dapo=self.dapo, log=log)
                         if partial and cfg.rollout.max_staleness == 0 else None)
-        # with async rollouts the pool lives in the pipeline's worker on the engine's rank (one engine)
-        if partial and cfg.rollout.max_staleness > 0 and self.num_engines != 1:
-            raise ValueError(f"rollout.partial_max_tokens_per_step with rollout.max_staleness="
-                             f"{cfg.rollout.max_staleness} needs one engine (its worker holds the carried-over "
-                             f"pool); got {self.num_engines} "
-                             f"(rollout.placement={cfg.rollout.placement} at data-parallel size {groups.dp_size}): "
-                             "set rollout.placement=rank0")
+        # with async rollouts the pool lives in the pipeline's worker on the engine's rank (one engine: rank0 above)
         self.partial_async = (partial_rollouts.AsyncPartialJobs(cfg, self, sampler=sampler, tokenize=tokenize,
                                                                 detokenize=partial_rollouts.detokenizer(hf_dir),
                                                                 reward_fn=task.reward_fn, dapo=self.dapo, log=log)

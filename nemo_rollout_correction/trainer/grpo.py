@@ -46,8 +46,8 @@ Who does what: `RolloutFleet` (trainer/fleet.py) steps 2 and 7 and the engines' 
 review and `metrics.jsonl`; this module the wiring, the step's phases, the run loop and the checkpoints.
 
 Timings of each phase, throughput and every metric are reported to the observer; checkpoints hold
-everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state, and with
-async rollouts the in-flight batches).
+everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state, the mismatch
+alarm's lag references, and with async rollouts the in-flight batches).
 """
 
 from __future__ import annotations
@@ -194,6 +194,8 @@ class GrpoTrainer:
         if not report.optimizer_loaded:
             self.log("[nrc train] weights-only checkpoint: the optimizer restarts with zero Adam moments")
         self.sampler.load_state_dict(meta["sampler"])
+        if self.report.alarm is not None and meta.get("mismatch_alarm"):  # its lag references, not re-learnt
+            self.report.alarm.load_state_dict(meta["mismatch_alarm"])
         self.step_index = int(meta["step"])
         self.fleet.refit(self.policy)  # the engine started from the Hugging Face files: give it the checkpoint's
         self.fleet.restore(step_dir)
@@ -220,6 +222,7 @@ class GrpoTrainer:
             "layout": self._layout(),
             "has_optimizer": save_optimizer,
             "observer": self.observer.checkpoint_state(),
+            "mismatch_alarm": None if self.report.alarm is None else self.report.alarm.state_dict(),
             "config": redact_tree(to_dict(self.cfg)),  # no credentials in checkpoint metadata
         }
 

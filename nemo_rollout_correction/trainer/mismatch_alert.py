@@ -26,6 +26,12 @@ k3 climbs away from the least value seen; the intended lag stays near it (one up
 settles). max |dlogp| has no per-staleness split, so its floor rule is off on lagged
 steps; absolute thresholds apply to the whole step's statistics as always (docs/acceptable_mismatch.md).
 
+What the alarm has learnt (the lag references, and the first step and count of firing steps that the MLflow tags
+carry) is saved with every checkpoint (`state_dict`, in the checkpoint's `meta.json`) and restored on resume
+(`load_state_dict`), so a resumed run fires exactly where the uninterrupted one would instead of re-learning its
+references from the resume on. The metrics it reads are the same on every rank (reduced over dp x cp, sent from
+the last pipeline stage), so the logging rank's state serves every rank.
+
 The metrics are those every mode computes: decoupled (`old_logprobs` vs `rollout_logprobs`), bypass (the first
 loss pass's logprobs vs `rollout_logprobs`) and metrics-only alike. A NaN statistic (undefined on the batch) never
 fires; an infinite one does.
@@ -233,6 +239,33 @@ class MismatchAlarm:
                 self.lag_steps[lag] = self.lag_steps.get(lag, 0) + 1
                 if k3 < self.lag_reference.get(lag, math.inf):
                     self.lag_reference[lag], self.lag_reference_step[lag] = k3, step
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the alarm learnt so far, as JSON data (the lag references keyed by the staleness as a string)."""
+        return {"lag_reference": {str(lag): value for lag, value in sorted(self.lag_reference.items())},
+                "lag_reference_step": {str(lag): s for lag, s in sorted(self.lag_reference_step.items())},
+                "lag_steps": {str(lag): n for lag, n in sorted(self.lag_steps.items())},
+                "first_step": self.first_step, "num_steps": self.num_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint's `state_dict()` (a resumed run): the same references, counts and tags."""
+        try:
+            self.lag_reference = {int(k): float(v) for k, v in state["lag_reference"].items()}
+            self.lag_reference_step = {int(k): int(v) for k, v in state["lag_reference_step"].items()}
+            self.lag_steps = {int(k): int(v) for k, v in state["lag_steps"].items()}
+            first = state["first_step"]
+            self.first_step = None if first is None else int(first)
+            self.num_steps = int(state["num_steps"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"the checkpoint's mismatch alarm state is malformed ({type(exc).__name__}: {exc}); "
+                             f"expected MismatchAlarm.state_dict() data, got {dict(state)!r}") from None
+        lags = set(self.lag_reference)
+        if lags != set(self.lag_reference_step) or not lags <= set(self.lag_steps):
+            raise ValueError(f"the checkpoint's mismatch alarm state is inconsistent: lag references for "
+                             f"{sorted(self.lag_reference)}, their steps for {sorted(self.lag_reference_step)}, "
+                             f"step counts for {sorted(self.lag_steps)}")
 
     def check_step(self, step: int, metrics: dict[str, float], observer: Any) -> None:
         """Check step `step` (every rank, collective under `strict`): adds `alert/mismatch` to `metrics`, warns
