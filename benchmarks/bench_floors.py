@@ -8,6 +8,9 @@ weights, so every difference is numerics) on
   with `rollout.routing_replay=r3`: the audit re-scores the same tokens with the trainer's own routers (`moe`)
   and replaying the engine's routing (`moe_r3`);
 
+- `smollm2` (only when named in `--families`): SmolLM2-135M-Instruct, the default run's model, with the
+  engine's top 20 per position for the distribution probe (TV and KL are lower bounds there);
+
 each over `--engine-dtypes` x `--trainer-dtypes`, and prints one markdown table (also `<out>/floors.md` and
 `<out>/floors.json`): per setting the sampled-token `k3` (`rollout_corr/k3_kl`), `max |dlogp|` (the largest
 |trainer - engine| token logprob) and the whole-vocabulary TV and KL(engine || trainer) of the next-token
@@ -17,6 +20,7 @@ routers): its TV/KL columns show "-".
 
     python benchmarks/bench_floors.py --out benchmarks/results/floors
     python benchmarks/bench_floors.py --families dense --engine-dtypes float32 --trainer-dtypes float32  # smoke
+    python benchmarks/bench_floors.py --families smollm2 --engine-dtypes float32,bfloat16,float16
     python benchmarks/bench_floors.py --alert-cost        # the mismatch alarm's per-step cost (no engine)
 
 These are tiny random models: the floors of a real checkpoint differ (SmolLM2-135M's are in docs/audit.md); the
@@ -37,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ("dense", "moe")  # "moe" also yields the moe_r3 rows
+FAMILIES = ("dense", "moe")  # "moe" also yields the moe_r3 rows; "smollm2" on request (--families)
+KNOWN_FAMILIES = (*FAMILIES, "smollm2")
 
 
 def moe_checkpoint(out: Path) -> Path:
@@ -61,12 +66,16 @@ def audit(family: str, args: argparse.Namespace, out: Path) -> list[dict[str, An
     if report.is_file():
         print(f"[bench_floors] {family}: reusing {report}", file=sys.stderr, flush=True)
         return list(json.loads(report.read_text()))
-    model = ["model=tiny_llama"] if family == "dense" else [
+    # SmolLM2-135M (the default model): vocabulary 49,152, so the distribution probe takes the engine's top 20 per
+    # position plus a rest bucket (TV and KL are then lower bounds) instead of one Python object per token.
+    vocab_top_k = 20 if family == "smollm2" else -1
+    model = {"dense": ["model=tiny_llama"], "smollm2": []}.get(family) or [
         f"model.source={moe_checkpoint(out)}", "rollout.routing_replay=r3", "task.use_chat_template=false",
         "rollout.max_model_len=256"]
     overrides = [*model, f"audit.engine_dtypes=[{args.engine_dtypes}]", f"audit.trainer_dtypes=[{args.trainer_dtypes}]",
                  f"audit.num_prompts={args.num_prompts}", "rollout.num_samples_per_prompt=4",
-                 f"rollout.max_new_tokens={args.max_new_tokens}", "audit.vocab_top_k=-1", "audit.layer_sequences=0",
+                 f"rollout.max_new_tokens={args.max_new_tokens}", f"audit.vocab_top_k={vocab_top_k}",
+                 "audit.layer_sequences=0",
                  f"run.output_dir={out / family}", "tracking.tracking_uri=null"]
     cmd = [sys.executable, "-m", "nemo_rollout_correction.cli", "audit", "--json", str(report), *overrides]
     print(f"[bench_floors] {family}: nrc audit {' '.join(overrides)}", file=sys.stderr, flush=True)
@@ -105,7 +114,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| engine | trainer | model | k3 (sampled) | max \\|dlogp\\| | TV (mean) | KL eng‖tr (mean) "
              "| TV, 1st token | tokens |",
              "|---|---|---|--:|--:|--:|--:|--:|--:|"]
-    order = {"dense": 0, "moe": 1, "moe_r3": 2}
+    order = {"dense": 0, "moe": 1, "moe_r3": 2, "smollm2": 3}
     for r in sorted(rows, key=lambda r: (order[r["family"]], r["engine"] != "float32", r["engine"],
                                          r["trainer"] != "float32")):
         lines.append(f"| {r['engine']} | {r['trainer']} | {r['family']} | {f(r['k3'])} | {f(r['max_dlogp'])} "
@@ -151,7 +160,8 @@ def alert_cost(repeats: int = 20000) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--out", default="benchmarks/results/floors")
-    p.add_argument("--families", default=",".join(FAMILIES), help="dense,moe (moe includes the r3 rows)")
+    p.add_argument("--families", default=",".join(FAMILIES),
+                   help="dense,moe (moe includes the r3 rows); smollm2: SmolLM2-135M, the default run's model")
     p.add_argument("--engine-dtypes", default="float32,bfloat16")
     p.add_argument("--trainer-dtypes", default="float32,bfloat16")
     p.add_argument("--num-prompts", type=int, default=8)
@@ -166,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for family in [f for f in args.families.split(",") if f]:
-        if family not in FAMILIES:
-            raise SystemExit(f"--families: unknown {family!r}; allowed: {list(FAMILIES)}")
+        if family not in KNOWN_FAMILIES:
+            raise SystemExit(f"--families: unknown {family!r}; allowed: {list(KNOWN_FAMILIES)}")
         rows += rows_of(family, audit(family, args, out))
     text = table(rows)
     (out / "floors.md").write_text(text)
