@@ -69,9 +69,13 @@ def audit(family: str, args: argparse.Namespace, out: Path) -> list[dict[str, An
     # SmolLM2-135M (the default model): vocabulary 49,152, so the distribution probe takes the engine's top 20 per
     # position plus a rest bucket (TV and KL are then lower bounds) instead of one Python object per token.
     vocab_top_k = 20 if family == "smollm2" else -1
-    model = {"dense": ["model=tiny_llama"], "smollm2": []}.get(family) or [
-        f"model.source={moe_checkpoint(out)}", "rollout.routing_replay=r3", "task.use_chat_template=false",
-        "rollout.max_model_len=256"]
+    if family == "dense":
+        model = ["model=tiny_llama"]
+    elif family == "smollm2":
+        model = []  # the default model
+    else:
+        model = [f"model.source={moe_checkpoint(out)}", "rollout.routing_replay=r3", "task.use_chat_template=false",
+                 "rollout.max_model_len=256"]
     overrides = [*model, f"audit.engine_dtypes=[{args.engine_dtypes}]", f"audit.trainer_dtypes=[{args.trainer_dtypes}]",
                  f"audit.num_prompts={args.num_prompts}", "rollout.num_samples_per_prompt=4",
                  f"rollout.max_new_tokens={args.max_new_tokens}", f"audit.vocab_top_k={vocab_top_k}",
