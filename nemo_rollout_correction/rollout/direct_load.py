@@ -93,8 +93,14 @@ def plan_direct_load(model: torch.nn.Module, slots: Sequence[TensorSlot], tp_siz
             if any(w is None for w in weights):
                 raise NotDirect(f"{module_name}: no slot for every one of {parts}")
             weight_slots = [w for w in weights if w is not None]
+            # vLLM's MoE router (`GateLinear`, a ReplicatedLinear) keeps no partition sizes: such a layer is
+            # refused here, like the experts (their fused w13/w2 parameters have no slot of their shape).
+            sizes: tuple[Any, Any] = (getattr(module, "output_size_per_partition", None),
+                                      getattr(module, "input_size_per_partition", None))
+            if None in sizes:
+                raise NotDirect(f"{module_name}: {type(found).__name__} has no partition sizes (an MoE router?)")
             fused = _fused_rows(weight_slots)
-            if fused != (int(module.output_size_per_partition), int(module.input_size_per_partition)):
+            if fused != (int(sizes[0]), int(sizes[1])):
                 raise NotDirect(f"{module_name}: the slots stack to {fused}")
             bias_slots: list[TensorSlot] = []
             if getattr(module, "bias", None) is not None:
