@@ -61,7 +61,9 @@ def test_harness_runs_a_grid_into_one_experiment(tmp_path: Path) -> None:
     assert again.returncode == 0 and again.stderr.count("reusing 2 steps") == 2, again.stderr[-2000:]
 
     # --finished-only summarizes what finished and starts nothing (token_tis at seed 2 never ran).
-    only = subprocess.run([*cmd[:cmd.index("--seeds") + 1], "2", *cmd[cmd.index("--seeds") + 2:], "--finished-only"],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # (before "--": what follows it goes to every nrc train)
+    seeds2 = [*cmd[:cmd.index("--seeds") + 1], "2", *cmd[cmd.index("--seeds") + 2:]]
+    only_cmd = [*seeds2[:seeds2.index("--")], "--finished-only", *seeds2[seeds2.index("--"):]]
+    only = subprocess.run(only_cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert only.returncode == 0 and "nrc train" not in only.stderr, only.stderr[-2000:]
     assert [r["seeds"] for r in json.loads((out / "summary.json").read_text())] == [1, 1]

@@ -87,7 +87,9 @@ def test_parallel_layouts_match_one_rank(model_root: Path, tied: bool, tp: int, 
             if cp > 1:
                 got, want = _reassemble(got, result["positions"][i], want)
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-        assert result["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-6)
+        # fp32 gradients summed over the ranks in another order: ~1e-6 relative (1.6e-6 seen at TP2 x PP2, tied);
+        # a missing or doubled contribution would be off by far more.
+        assert result["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
         for name, grad in result["grads"].items():
             if name == "output_layer.weight" and tied:
                 name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied matrix

@@ -275,11 +275,16 @@ def test_torchrun_pipeline_and_context_parallel_match_one_process(
     ours = load_file(str(tmp_path / layout / "hf" / "model.safetensors"))
     reference = load_file(str(one_dir / "hf" / "model.safetensors"))
     assert set(ours) == set(reference)
+    lr = 1e-3  # TINY_FAST's policy.lr
     for name, tensor in reference.items():
-        # Training moved the weights by ~1e-3. Under CP the gradient is summed in another order, and Adam's
-        # normalised step moves an element whose gradient is ~0 by a fraction of lr in the direction of that
-        # gradient's sign: measured up to 1.1e-5 at CP2 (3e-7 at PP2). A stage left out would be ~1e-3 off.
-        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=5e-5, msg=name)
+        # Training moved every weight by about lr per step: Adam's normalised step has that size whatever the
+        # gradient's. Under CP the gradient is summed in another order, so an element whose gradient is ~0 can
+        # change sign and land up to 2 x lr x steps away (seen at CP2 in o_proj), while the other elements agree
+        # to ~1e-5 (3e-7 at PP2). A stage left out of the export moves every element of its tensors: the share of
+        # elements off by more than 5e-5 then is ~1, not < 0.1%.
+        diff = (ours[name].double() - tensor.double()).abs()
+        off = (diff > 5e-5).double().mean().item()
+        assert off < 1e-3 and diff.max().item() <= 2 * lr * 2 * 1.01, (name, off, diff.max().item())
     # `nrc export` of the run's last checkpoint, written at this layout and rebuilt in one process, is the same
     # model as the live export of the same weights, bit for bit.
     exported = tmp_path / "exported"
