@@ -42,3 +42,10 @@ UNDEFINED_AS_NAN = frozenset({"rollout_corr/prob_pearson"})
 def nan_metrics(row: dict[str, Any]) -> list[str]:
     """The keys of a `metrics.jsonl` row that are NaN although they are always defined (NaN != NaN)."""
     return [key for key, value in row.items() if value != value and key not in UNDEFINED_AS_NAN]
+
+
+def deterministic(m: dict[str, Any]) -> dict[str, Any]:
+    """A step's metrics without wall-clock values (`timing/*`, throughputs, `rollout/engine<e>_refit_s`); NaN (an
+    undefined metric, docs/metrics.md) as "nan" so that two undefined values compare equal."""
+    return {k: "nan" if v != v else v for k, v in m.items()
+            if not k.startswith("timing/") and not k.endswith(("_per_s", "_refit_s"))}

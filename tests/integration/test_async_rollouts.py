@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from default_lane import require
-from nrc_cli import cli_env, nan_metrics, read_metrics
+from nrc_cli import cli_env, deterministic, nan_metrics, read_metrics
 
 require("megatron.core", "megatron")
 require("vllm", "cpu")
@@ -49,10 +49,6 @@ def nrc(args: list[str], out: Path) -> subprocess.CompletedProcess[str]:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
     return proc
 
-
-def deterministic(m: dict[str, Any]) -> dict[str, Any]:
-    """A step's metrics without wall-clock values (`timing/*`, throughputs, `rollout/engine<e>_refit_s`)."""
-    return {k: v for k, v in m.items() if not k.startswith("timing/") and not k.endswith(("_per_s", "_refit_s"))}
 
 
 @pytest.fixture(scope="module")

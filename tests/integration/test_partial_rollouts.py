@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from default_lane import require
-from nrc_cli import TINY_FAST, cli_env, nan_metrics, read_metrics
+from nrc_cli import TINY_FAST, cli_env, deterministic, nan_metrics, read_metrics
 
 require("megatron.core", "megatron")
 require("vllm", "cpu")
@@ -41,12 +41,6 @@ REWARD = f"task.reward_fn={HERE / 'reward_text_fns.py'}:text_parity"  # varies w
 PARTIAL = [*TINY_FAST, "tracking.enabled=false", "tracking.system_metrics=false", "rollout_correction=token_tis",
            "rollout.partial_max_tokens_per_step=6", REWARD]
 
-
-def deterministic(m: dict[str, Any]) -> dict[str, Any]:
-    """A step's metrics without wall-clock values; NaN (an undefined metric, docs/metrics.md) as "nan" so that two
-    undefined values compare equal."""
-    return {k: "nan" if v != v else v for k, v in m.items()
-            if not k.startswith("timing/") and not k.endswith(("_per_s", "_refit_s"))}
 
 
 def per_token_report(tmp_path: Path, args: list[str], timeout: int) -> list[dict[str, Any]]:

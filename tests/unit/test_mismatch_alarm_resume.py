@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import pytest
+from lag_metrics import lagged
 
 from nemo_rollout_correction.config.mismatch_alert import MismatchAlertConfig
 from nemo_rollout_correction.trainer.mismatch_alert import ALERT_METRIC, MismatchAlarm
@@ -32,15 +33,6 @@ class Tags:
         self.tags.update(tags)
 
 
-def lagged(lag_k3: dict[int, float], dlogp: float = 0.3) -> dict[str, float]:
-    """A step's metrics with the mismatch by token staleness (100 tokens per staleness)."""
-    k3 = max(lag_k3.values())
-    out = {"rollout_corr/k3_kl": k3, "rollout_corr/kl": k3, "rollout_corr/token_log_ratio_max": dlogp,
-           "rollout_corr/token_log_ratio_min": -dlogp}
-    for lag, value in lag_k3.items():
-        out[f"rollout_corr/lag_{lag}/k3_kl"] = value
-        out[f"rollout_corr/lag_{lag}/num_tokens"] = 100.0
-    return out
 
 
 # A lost sync under async rollouts (k = 2): tokens labelled one and two versions old really grow older, so their k3

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lag_metrics import lagged
 
 from nemo_rollout_correction.config import ConfigError, load_config
 from nemo_rollout_correction.config.mismatch_alert import MismatchAlertConfig
@@ -144,15 +145,6 @@ def test_strict_stops_after_the_step_is_recorded(tmp_path: Path) -> None:
 
 # ---- under async lag (rollout_corr/lag_<L>/* from the trainer's per-token staleness) ------------------------------
 
-def lagged(lag_k3: dict[int, float], overall: float | None = None, dlogp: float = 0.3) -> dict[str, float]:
-    """A step's metrics with the mismatch by token staleness (`rollout_corr/lag_<L>/*`, 100 tokens per lag)."""
-    k3 = overall if overall is not None else max(lag_k3.values())
-    out = {"rollout_corr/k3_kl": k3, "rollout_corr/kl": k3, "rollout_corr/token_log_ratio_max": dlogp,
-           "rollout_corr/token_log_ratio_min": -dlogp}
-    for lag, value in lag_k3.items():
-        out[f"rollout_corr/lag_{lag}/k3_kl"] = value
-        out[f"rollout_corr/lag_{lag}/num_tokens"] = 100.0
-    return out
 
 
 def run_steps(a: MismatchAlarm, steps: list[dict[str, float]]) -> list[float]:
