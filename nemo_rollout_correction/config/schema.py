@@ -594,6 +594,12 @@ class TrainConfig:
         return f"sqlite:///{self.run.output_dir}/mlflow.db"
 
     @property
+    def async_partial(self) -> bool:
+        """Partial rollouts with async rollouts: the carried-over pool lives in the one engine's worker, so
+        `rollout.placement=auto` resolves to `rank0` (an explicit `per_dp_group` is refused)."""
+        return self.rollout.partial_max_tokens_per_step > 0 and self.rollout.max_staleness > 0
+
+    @property
     def checkpoint_dir(self) -> str:
         """checkpoint.dir, or <run.output_dir>/checkpoints when it is null."""
         return self.checkpoint.dir if self.checkpoint.dir is not None else f"{self.run.output_dir}/checkpoints"

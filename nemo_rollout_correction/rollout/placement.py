@@ -27,8 +27,10 @@ RolloutPlacement = Literal["auto", "per_dp_group", "rank0"]
 ROLLOUT_PLACEMENTS: tuple[str, ...] = get_args(RolloutPlacement)
 
 
-def resolve_placement(placement: str, data_parallel_size: int) -> Literal["per_dp_group", "rank0"]:
-    """The placement a job uses: `auto` is `per_dp_group` when `data_parallel_size > 1`, else `rank0`.
+def resolve_placement(placement: str, data_parallel_size: int, *,
+                      one_engine: bool = False) -> Literal["per_dp_group", "rank0"]:
+    """The placement a job uses: `auto` is `per_dp_group` when `data_parallel_size > 1`, else `rank0`; with
+    `one_engine` (a job whose state lives in a single engine's worker: async partial rollouts) always `rank0`.
 
     Raises ValueError naming `rollout.placement` and the allowed values for anything else.
     """
@@ -37,7 +39,7 @@ def resolve_placement(placement: str, data_parallel_size: int) -> Literal["per_d
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     if placement == "auto":
-        return "per_dp_group" if data_parallel_size > 1 else "rank0"
+        return "per_dp_group" if data_parallel_size > 1 and not one_engine else "rank0"
     return "per_dp_group" if placement == "per_dp_group" else "rank0"
 
 

@@ -119,10 +119,8 @@ class RolloutFleet:
             check_seed_budget((cfg.grpo.max_refill_batches + 1) * cfg.task.prompts_per_step
                               * cfg.rollout.num_samples_per_prompt)
         groups = self.groups
-        self.placement = resolve_placement(cfg.rollout.placement, groups.dp_size)
+        self.placement = resolve_placement(cfg.rollout.placement, groups.dp_size, one_engine=cfg.async_partial)
         partial = cfg.rollout.partial_max_tokens_per_step > 0
-        if partial and cfg.rollout.max_staleness > 0:  # async partial: the pool lives in the one engine's worker
-            self.placement = "rank0"  # auto resolves to it; an explicit per_dp_group is refused by the config
         self.num_engines = groups.dp_size if self.placement == "per_dp_group" else 1
         gpu_shards = self.placement == "per_dp_group" and torch.cuda.is_available()
         if gpu_shards and (groups.pp_size > 1 or groups.cp_size > 1):

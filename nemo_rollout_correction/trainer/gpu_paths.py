@@ -19,7 +19,8 @@ _log = logging.getLogger("nemo_rollout_correction.trainer")
 def per_dp_group_gpu_shards(cfg: TrainConfig, *, data_parallel_size: int, cuda: bool) -> bool:
     """Whether this job builds vLLM engine shards on every rank (`rollout.placement=per_dp_group` on GPU, with
     vLLM's `external_launcher`), the form whose engines need every shard to call them together."""
-    return cuda and resolve_placement(cfg.rollout.placement, data_parallel_size) == "per_dp_group"
+    placement = resolve_placement(cfg.rollout.placement, data_parallel_size, one_engine=cfg.async_partial)
+    return cuda and placement == "per_dp_group"
 
 
 def gpu_path_problems(cfg: TrainConfig, *, data_parallel_size: int, cuda: bool) -> list[str]:

@@ -60,6 +60,12 @@ def test_auto_is_per_dp_group_only_with_data_parallelism() -> None:
     assert resolve_placement("per_dp_group", 1) == "per_dp_group"
 
 
+def test_auto_is_rank0_for_a_job_of_one_engine() -> None:
+    """Async partial rollouts keep their pool in one engine's worker: `auto` gives them rank0 at any DP size."""
+    assert resolve_placement("auto", 2, one_engine=True) == "rank0"
+    assert resolve_placement("auto", 1, one_engine=True) == "rank0"
+
+
 def test_bad_placement_is_named() -> None:
     with pytest.raises(ValueError, match=r"rollout.placement='everywhere'.*auto, per_dp_group, rank0"):
         resolve_placement("everywhere", 2)
