@@ -67,3 +67,40 @@ def test_harness_runs_a_grid_into_one_experiment(tmp_path: Path) -> None:
     only = subprocess.run(only_cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert only.returncode == 0 and "nrc train" not in only.stderr, only.stderr[-2000:]
     assert [r["seeds"] for r in json.loads((out / "summary.json").read_text())] == [1, 1]
+
+
+def test_staleness_axis_runs_async_cells(tmp_path: Path) -> None:
+    """`--staleness 0,1`: a synchronous and an async cell, the latter really trained on one-step-old rollouts."""
+    out = tmp_path / "stale"
+    page = tmp_path / "experiments.md"
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_mismatch.py"), "--out", str(out), "--dtypes", "bfloat16",
+           "--corrections", "token_tis", "--staleness", "0,1", "--seeds", "1", "--steps", "3", "--window", "1",
+           "--experiment", "stale-test", "--table", str(page), "--marker", "bench_staleness", "--", *TINY]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    rows = json.loads((out / "summary.json").read_text())
+    assert [(r["staleness"], r["correction"], r["steps"]) for r in rows] == [(0, "token_tis", 3), (1, "token_tis", 3)]
+    assert all(math.isfinite(r["grad_norm_max"][0]) and r["grad_norm_max"][0] >= r["grad_norm"][0] for r in rows)
+    assert "| bfloat16 | float32 | 1 | token_tis | 1 x 3 |" in page.read_text()
+    assert "<!-- bench_staleness:begin -->" in page.read_text()
+
+    def staleness_per_step(cell: str) -> list[float]:
+        lines = (out / "runs" / cell / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line).get("rollout/token_staleness_max", 0.0) for line in lines]
+
+    # Batch j comes from version max(0, j - k): step 1 is fresh either way, later async steps are one version old.
+    assert staleness_per_step("bfloat16-k0-token_tis-s1") == [0.0, 0.0, 0.0]
+    assert staleness_per_step("bfloat16-k1-token_tis-s1")[1:] == [1.0, 1.0]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("stale-test")
+    assert experiment is not None
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert {name: r.data.params["rollout.max_staleness"] for name, r in runs.items()} == {
+        "bfloat16-k0-token_tis-s1": "0", "bfloat16-k1-token_tis-s1": "1"}
