@@ -14,7 +14,8 @@
 An environment is any callable ``env(state, turn_token_ids) -> EnvStep | (observation, done[, reward])``
 (rollout/multi_turn.py); docs/tasks.md says how to plug one in. The trajectory's reward (the sum of what the
 environment returned) reaches the reward function as ``record.metadata["env_reward"]``: :func:`environment_reward`
-returns it, a user's ``task.reward_fn`` may combine it with its own reading of the transcript.
+returns it (defined in trainer/env_reward.py, which a reward worker imports without torch), a user's
+``task.reward_fn`` may combine it with its own reading of the transcript.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ from nemo_rollout_correction.rollout.multi_turn_loop import (
 )
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions
 from nemo_rollout_correction.trainer.data import PromptRecord
+from nemo_rollout_correction.trainer.env_reward import (  # environment_reward: re-exported (public API here before)
+    ENV_REWARD_KEY,
+    environment_reward,
+)
 from nemo_rollout_correction.trainer.rewards import first_number
 
 __all__ = [
@@ -61,7 +66,6 @@ __all__ = [
     "trajectory_train_rows",
 ]
 
-ENV_REWARD_KEY = "env_reward"
 CALCULATOR_INSTRUCTION = (" You may use a calculator: write CALC: <expression> and the result comes back."
                           " Give the final answer as ANSWER: <number>.")
 FEEDBACK_OBSERVATION = "That is not right. Try again."
@@ -150,19 +154,6 @@ MULTI_TURN_ENVIRONMENTS: dict[str, Environment] = {
     "arithmetic_compaction": arithmetic_compaction_env,
 }
 """The built-in multi-turn tasks' environments, by `task.name`."""
-
-
-def environment_reward(records: Sequence[PromptRecord], **unused: Any) -> list[float]:
-    """The reward of a multi-turn task: each trajectory's environment reward (`record.metadata["env_reward"]`,
-    set by the multi-turn rollout). Raises ValueError for a record without it (not from a multi-turn rollout)."""
-    del unused
-    out: list[float] = []
-    for index, record in enumerate(records):
-        if ENV_REWARD_KEY not in record.metadata:
-            raise ValueError(f"environment_reward: record {index} has no metadata[{ENV_REWARD_KEY!r}]; it scores "
-                             "multi-turn rollouts only (a task with an environment)")
-        out.append(float(record.metadata[ENV_REWARD_KEY]))
-    return out
 
 
 def generate_multi_turn(engine: Any, records: Sequence[PromptRecord], prompts: Sequence[Sequence[int]],

@@ -8,7 +8,7 @@
 - ``calculator`` / ``arithmetic_feedback`` / ``arithmetic_compaction``: multi-turn arithmetic (the ``arithmetic``
   problems) with an environment: a calculator tool, feedback after a wrong answer, or a history compacted after a
   wrong answer (trainer/environments.py, docs/multi_turn.md); reward: the environment's
-  (:func:`~nemo_rollout_correction.trainer.environments.environment_reward`).
+  (:func:`~nemo_rollout_correction.trainer.env_reward.environment_reward`).
 - ``dataset``: a user's JSONL/Parquet file (``dataset_path``); reward: ``reward_fn`` if given,
   else the numeric-answer reward when every record has a numeric answer.
 
@@ -34,11 +34,8 @@ from nemo_rollout_correction.config.schema import (  # TASK_NAMES re-exported: t
     TrainConfig,
 )
 from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
-from nemo_rollout_correction.trainer.environments import (
-    CALCULATOR_INSTRUCTION,
-    MULTI_TURN_ENVIRONMENTS,
-    environment_reward,
-)
+from nemo_rollout_correction.trainer.env_reward import environment_reward
+from nemo_rollout_correction.trainer.environments import CALCULATOR_INSTRUCTION, MULTI_TURN_ENVIRONMENTS
 from nemo_rollout_correction.trainer.reward_pool import RewardPool
 from nemo_rollout_correction.trainer.rewards import (
     arithmetic_reward,
