@@ -11,6 +11,12 @@
   summary of the earlier answers instead of the earlier turns (``EnvStep.context``). The trajectory is then made
   of exact-prefix segments, each trained under its own context (:func:`split_rewritten`, docs/multi_turn.md).
 
+- ``length_feedback`` (feedback between turns, a dense reward): a ``length_target`` instruction; a turn whose length
+  is more than a quarter off ``target_length`` tokens gets "That was N tokens; write about T tokens." and another
+  turn; the trajectory's reward is the length score of its last turn (``-min(|n - T| / T, 1)``, the
+  ``length_target`` reward), so a 135M model improves it within a short run (docs/multi_turn.md, "A run on
+  SmolLM2-135M").
+
 An environment is any callable ``env(state, turn_token_ids) -> EnvStep | (observation, done[, reward])``
 (rollout/multi_turn.py); docs/tasks.md says how to plug one in. The trajectory's reward (the sum of what the
 environment returned) reaches the reward function as ``record.metadata["env_reward"]``: :func:`environment_reward`
@@ -55,10 +61,12 @@ __all__ = [
     "arithmetic_compaction_env",
     "arithmetic_feedback_env",
     "calculator_env",
+    "length_feedback_env",
     "check_multi_turn_supported",
     "check_rewrites_supported",
     "environment_reward",
     "evaluate_expression",
+    "length_score",
     "generate_multi_turn",
     "retokenized_chat_ids",
     "sequence_level_parts",
@@ -148,10 +156,31 @@ def arithmetic_compaction_env(state: EnvState, turn_token_ids: list[int]) -> Env
     return EnvStep(context=[{"role": "user", "content": summary}])
 
 
+def length_score(num_tokens: int, target: int) -> float:
+    """The ``length_target`` reward of one response: ``-min(|num_tokens - target| / target, 1)``, in ``[-1, 0]``."""
+    return -min(abs(num_tokens - target) / target, 1.0)
+
+
+def length_feedback_env(state: EnvState, turn_token_ids: list[int]) -> EnvStep:
+    """Feedback on length: a turn within a quarter of ``record.metadata["target_length"]`` tokens (its sampled ids,
+    end-of-turn token included, as ``length_target`` counts them) ends the trajectory; any other turn gets "That
+    was N tokens; write about T tokens." and another turn. Each step's reward is the change of the turn's length
+    score (:func:`length_score`) from the previous turn's, so the trajectory's reward, their sum, is the score of
+    its last turn (after ``rollout.max_turns`` turns, of the last one generated)."""
+    target = int(state.record.metadata["target_length"])
+    num_tokens = len(turn_token_ids)
+    reward = length_score(num_tokens, target) - sum(state.rewards)  # the sum so far is the previous turn's score
+    if abs(num_tokens - target) * 4 <= target:
+        return EnvStep(observation=None, done=True, reward=reward)
+    return EnvStep(observation=f"That was {num_tokens} tokens; write about {target} tokens.", done=False,
+                   reward=reward)
+
+
 MULTI_TURN_ENVIRONMENTS: dict[str, Environment] = {
     "calculator": calculator_env,
     "arithmetic_feedback": arithmetic_feedback_env,
     "arithmetic_compaction": arithmetic_compaction_env,
+    "length_feedback": length_feedback_env,
 }
 """The built-in multi-turn tasks' environments, by `task.name`."""
 

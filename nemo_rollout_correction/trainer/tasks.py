@@ -9,6 +9,8 @@
   problems) with an environment: a calculator tool, feedback after a wrong answer, or a history compacted after a
   wrong answer (trainer/environments.py, docs/multi_turn.md); reward: the environment's
   (:func:`~nemo_rollout_correction.trainer.env_reward.environment_reward`).
+- ``length_feedback``: multi-turn on the ``length_target`` instructions: a turn off the target length gets told
+  its length and tries again; reward: the length score of the last turn (the environment's, trainer/environments.py).
 - ``dataset``: a user's JSONL/Parquet file (``dataset_path``); reward: ``reward_fn`` if given,
   else the numeric-answer reward when every record has a numeric answer.
 
@@ -324,6 +326,12 @@ def build_task(
         if num_eval_prompts:
             held_out = length_target_held_out_records(num_eval_prompts, target_length=target_length, seed=seed)
         default = length_target_reward
+    elif name == "length_feedback":
+        records = length_target_records(num_prompts, target_length=target_length, seed=seed)
+        if num_eval_prompts:
+            held_out = length_target_held_out_records(num_eval_prompts, target_length=target_length, seed=seed)
+        default = environment_reward
+        environment = environment if environment is not None else MULTI_TURN_ENVIRONMENTS[name]
     elif name in MULTI_TURN_ENVIRONMENTS:
         records, held_out = arithmetic_split(num_prompts, num_eval_prompts, max_operand=max_operand, seed=seed)
         if name == "calculator":
