@@ -14,7 +14,8 @@ median: generation seconds, turns per second (a single-turn trajectory is one tu
 step seconds, and multi/single ratios. One warm-up round of each is not counted, and the order alternates per repeat.
 
     .venv/bin/python benchmarks/bench_multi_turn.py                                 # tiny-llama, 5 repeats
-    nice -n 19 .venv/bin/python benchmarks/bench_multi_turn.py --model smollm2-135m --prompts 4 --turns 3
+    # SmolLM2-135M on a quiet machine (benchmarks/README.md has where its numbers go), a few minutes at most:
+    .venv/bin/python benchmarks/bench_multi_turn.py --model smollm2-135m --repeats 5 --max-seconds 300
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3, help="K: turns per multi-turn trajectory")
     parser.add_argument("--turn-tokens", type=int, default=16, help="T: tokens per turn")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no further repeat once this many seconds have passed since the start (at least "
+                             "one repeat runs); the medians are then over the repeats done")
     args = parser.parse_args()
+    started = time.perf_counter()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
@@ -103,6 +108,9 @@ def main() -> None:
         for name in ("single", "multi"):  # warm-up, not counted (first calls compile and allocate)
             step(generate(name, 10_000)[0].to_tensors(pad))
         for repeat in range(args.repeats):
+            if repeat and args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
+                print(f"--max-seconds {args.max_seconds:.0f} passed: stopping after {repeat} repeats", flush=True)
+                break
             # alternate which goes first, so a drift of the machine's load does not favour one side
             for name in (("single", "multi") if repeat % 2 == 0 else ("multi", "single")):
                 batch, seconds, turns = generate(name, repeat)
@@ -121,8 +129,10 @@ def main() -> None:
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in rows[name])
 
+    done = len(rows["single"])
     print(f"\n{args.model}, {args.prompts} prompts x {args.samples} samples, K={k} turns x T={t} tokens "
-          f"(single-turn: {k * t} tokens), median of {args.repeats}; load average {os.getloadavg()[0]:.1f}")
+          f"(single-turn: {k * t} tokens), median of {done}; load average {os.getloadavg()[0]:.1f}; "
+          f"{time.perf_counter() - started:.0f} s in all")
     print(f"{'':<22}{'single-turn':>14}{'multi-turn':>14}{'multi/single':>14}")
     for key, label in (("sampled", "sampled tokens"), ("width", "row width (ids)"), ("gen_s", "generation s"),
                        ("turns_per_s", "turns / s"), ("tokens_per_s", "sampled tokens / s"),

@@ -50,7 +50,7 @@ __all__ = [
 
 PolicyDtype = Literal["float32", "bfloat16", "float16"]
 TaskName = Literal["arithmetic", "length_target", "dataset", "calculator", "arithmetic_feedback",
-                   "arithmetic_compaction"]
+                   "arithmetic_compaction", "length_feedback"]
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 LauncherName = Literal["local", "slurm"]
 LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)

@@ -11,10 +11,17 @@
   summary of the earlier answers instead of the earlier turns (``EnvStep.context``). The trajectory is then made
   of exact-prefix segments, each trained under its own context (:func:`split_rewritten`, docs/multi_turn.md).
 
+- ``length_feedback`` (feedback between turns, a dense reward): a ``length_target`` instruction; a turn whose length
+  is more than a quarter off ``target_length`` tokens gets "That was N tokens; write about T tokens." and another
+  turn; the trajectory's reward is the length score of its last turn (``-min(|n - T| / T, 1)``, the
+  ``length_target`` reward), so a 135M model improves it within a short run (docs/multi_turn.md, "A run on
+  SmolLM2-135M").
+
 An environment is any callable ``env(state, turn_token_ids) -> EnvStep | (observation, done[, reward])``
 (rollout/multi_turn.py); docs/tasks.md says how to plug one in. The trajectory's reward (the sum of what the
 environment returned) reaches the reward function as ``record.metadata["env_reward"]``: :func:`environment_reward`
-returns it, a user's ``task.reward_fn`` may combine it with its own reading of the transcript.
+returns it (defined in trainer/env_reward.py, which a reward worker imports without torch), a user's
+``task.reward_fn`` may combine it with its own reading of the transcript.
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ from nemo_rollout_correction.rollout.multi_turn_loop import (
 )
 from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions
 from nemo_rollout_correction.trainer.data import PromptRecord
+from nemo_rollout_correction.trainer.env_reward import (  # environment_reward: re-exported (public API here before)
+    ENV_REWARD_KEY,
+    environment_reward,
+)
 from nemo_rollout_correction.trainer.rewards import first_number
 
 __all__ = [
@@ -55,13 +66,14 @@ __all__ = [
     "environment_reward",
     "evaluate_expression",
     "generate_multi_turn",
+    "length_feedback_env",
+    "length_score",
     "retokenized_chat_ids",
     "sequence_level_parts",
     "split_rewritten",
     "trajectory_train_rows",
 ]
 
-ENV_REWARD_KEY = "env_reward"
 CALCULATOR_INSTRUCTION = (" You may use a calculator: write CALC: <expression> and the result comes back."
                           " Give the final answer as ANSWER: <number>.")
 FEEDBACK_OBSERVATION = "That is not right. Try again."
@@ -144,25 +156,33 @@ def arithmetic_compaction_env(state: EnvState, turn_token_ids: list[int]) -> Env
     return EnvStep(context=[{"role": "user", "content": summary}])
 
 
+def length_score(num_tokens: int, target: int) -> float:
+    """The ``length_target`` reward of one response: ``-min(|num_tokens - target| / target, 1)``, in ``[-1, 0]``."""
+    return -min(abs(num_tokens - target) / target, 1.0)
+
+
+def length_feedback_env(state: EnvState, turn_token_ids: list[int]) -> EnvStep:
+    """Feedback on length: a turn within a quarter of ``record.metadata["target_length"]`` tokens (its sampled ids,
+    end-of-turn token included, as ``length_target`` counts them) ends the trajectory; any other turn gets "That
+    was N tokens; write about T tokens." and another turn. Each step's reward is the change of the turn's length
+    score (:func:`length_score`) from the previous turn's, so the trajectory's reward, their sum, is the score of
+    its last turn (after ``rollout.max_turns`` turns, of the last one generated)."""
+    target = int(state.record.metadata["target_length"])
+    num_tokens = len(turn_token_ids)
+    reward = length_score(num_tokens, target) - sum(state.rewards)  # the sum so far is the previous turn's score
+    if abs(num_tokens - target) * 4 <= target:
+        return EnvStep(observation=None, done=True, reward=reward)
+    return EnvStep(observation=f"That was {num_tokens} tokens; write about {target} tokens.", done=False,
+                   reward=reward)
+
+
 MULTI_TURN_ENVIRONMENTS: dict[str, Environment] = {
     "calculator": calculator_env,
     "arithmetic_feedback": arithmetic_feedback_env,
     "arithmetic_compaction": arithmetic_compaction_env,
+    "length_feedback": length_feedback_env,
 }
 """The built-in multi-turn tasks' environments, by `task.name`."""
-
-
-def environment_reward(records: Sequence[PromptRecord], **unused: Any) -> list[float]:
-    """The reward of a multi-turn task: each trajectory's environment reward (`record.metadata["env_reward"]`,
-    set by the multi-turn rollout). Raises ValueError for a record without it (not from a multi-turn rollout)."""
-    del unused
-    out: list[float] = []
-    for index, record in enumerate(records):
-        if ENV_REWARD_KEY not in record.metadata:
-            raise ValueError(f"environment_reward: record {index} has no metadata[{ENV_REWARD_KEY!r}]; it scores "
-                             "multi-turn rollouts only (a task with an environment)")
-        out.append(float(record.metadata[ENV_REWARD_KEY]))
-    return out
 
 
 def generate_multi_turn(engine: Any, records: Sequence[PromptRecord], prompts: Sequence[Sequence[int]],

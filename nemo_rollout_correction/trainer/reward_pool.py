@@ -30,12 +30,14 @@ from a small queue the workers write to.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import pickle
+import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.pool import AsyncResult, Pool
 from typing import Any
 
@@ -98,6 +100,26 @@ def _score_one(
 
 
 # ---- parent side ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _main_script_not_rerun(reward_fn: Any) -> Iterator[None]:
+    """Spawn re-runs the parent's main *script* in every worker so that objects defined in it can be unpickled.
+    Under the `nrc` console script that is `from nemo_rollout_correction.cli import main`: torch, Hydra and the
+    CLI, seconds to minutes on a loaded machine, against the pool's startup bound, for nothing when the reward is
+    not defined in that script. Hide the script's path while the workers start (spawn then leaves the workers'
+    `__main__` alone, as it does for `python -m pkg`), unless the reward comes from `__main__`."""
+    main = sys.modules.get("__main__")
+    module = getattr(reward_fn, "__module__", None) or type(reward_fn).__module__
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or module == "__main__" or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 class RewardPool:
@@ -184,7 +206,9 @@ class RewardPool:
         # SimpleQueue writes synchronously: a "start" message is in the pipe before the call begins, even if
         # the call then kills its process (a Queue's feeder thread would lose it and the death go unnoticed).
         self._events = ctx.SimpleQueue()
-        pool = ctx.Pool(self.num_workers, initializer=_init_worker, initargs=(self._payload, self.spec, self._events))
+        with _main_script_not_rerun(self.reward_fn):  # a replacement worker, if any, re-runs it: only slower
+            pool = ctx.Pool(self.num_workers, initializer=_init_worker,
+                            initargs=(self._payload, self.spec, self._events))
         deadline = time.monotonic() + self.startup_timeout_s
         pids: list[int] = []
         started: set[int] = set()  # pool worker processes seen so far; the pool replaces any that exit

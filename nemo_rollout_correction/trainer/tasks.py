@@ -8,7 +8,9 @@
 - ``calculator`` / ``arithmetic_feedback`` / ``arithmetic_compaction``: multi-turn arithmetic (the ``arithmetic``
   problems) with an environment: a calculator tool, feedback after a wrong answer, or a history compacted after a
   wrong answer (trainer/environments.py, docs/multi_turn.md); reward: the environment's
-  (:func:`~nemo_rollout_correction.trainer.environments.environment_reward`).
+  (:func:`~nemo_rollout_correction.trainer.env_reward.environment_reward`).
+- ``length_feedback``: multi-turn on the ``length_target`` instructions: a turn off the target length gets told
+  its length and tries again; reward: the length score of the last turn (the environment's, trainer/environments.py).
 - ``dataset``: a user's JSONL/Parquet file (``dataset_path``); reward: ``reward_fn`` if given,
   else the numeric-answer reward when every record has a numeric answer.
 
@@ -34,11 +36,8 @@ from nemo_rollout_correction.config.schema import (  # TASK_NAMES re-exported: t
     TrainConfig,
 )
 from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
-from nemo_rollout_correction.trainer.environments import (
-    CALCULATOR_INSTRUCTION,
-    MULTI_TURN_ENVIRONMENTS,
-    environment_reward,
-)
+from nemo_rollout_correction.trainer.env_reward import environment_reward
+from nemo_rollout_correction.trainer.environments import CALCULATOR_INSTRUCTION, MULTI_TURN_ENVIRONMENTS
 from nemo_rollout_correction.trainer.reward_pool import RewardPool
 from nemo_rollout_correction.trainer.rewards import (
     arithmetic_reward,
@@ -327,6 +326,12 @@ def build_task(
         if num_eval_prompts:
             held_out = length_target_held_out_records(num_eval_prompts, target_length=target_length, seed=seed)
         default = length_target_reward
+    elif name == "length_feedback":
+        records = length_target_records(num_prompts, target_length=target_length, seed=seed)
+        if num_eval_prompts:
+            held_out = length_target_held_out_records(num_eval_prompts, target_length=target_length, seed=seed)
+        default = environment_reward
+        environment = environment if environment is not None else MULTI_TURN_ENVIRONMENTS[name]
     elif name in MULTI_TURN_ENVIRONMENTS:
         records, held_out = arithmetic_split(num_prompts, num_eval_prompts, max_operand=max_operand, seed=seed)
         if name == "calculator":

@@ -21,7 +21,7 @@ from nemo_rollout_correction.rollout.multi_turn import OBSERVATION, EnvState, En
 from nemo_rollout_correction.rollout.multi_turn_loop import chat_observation_encoder, run_multi_turn
 from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
 from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.environments import generate_multi_turn
+from nemo_rollout_correction.trainer.environments import generate_multi_turn, length_feedback_env, length_score
 from nemo_rollout_correction.trainer.settings import tokenize_prompt
 
 pytestmark = [pytest.mark.integration]
@@ -131,3 +131,28 @@ def test_fleet_seam_puts_the_environment_reward_in_the_records(tiny: Any) -> Non
     assert len(batch) == 3 and [r.metadata["env_reward"] for r in sample_records] == [0.5] * 3  # cut at 2 turns
     assert all(r.metadata["a"] == 1 and r.prompt == records[0].prompt for r in sample_records)
     assert all(s.text == tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in batch.samples)
+
+
+def test_length_feedback_on_the_engine_scores_the_last_turn(tiny: Any) -> None:
+    engine, tokenizer, _ = tiny
+    records = [PromptRecord("Describe a river.", None, {"task": "length_target", "target_length": 6})]
+    prompts = [tokenize_prompt(tokenizer, records[0].prompt, use_chat_template=True)]
+    batch, sample_records = generate_multi_turn(engine, records, prompts, SamplingOptions(n=4, max_tokens=8),
+                                                length_feedback_env, tokenizer, max_turns=3, max_model_len=MAX_LEN,
+                                                seed=3)
+    for sample, record in zip(batch.samples, sample_records, strict=True):
+        turns = [len(ids) for t, ids, _ in _segments_with_ids(sample) if t != OBSERVATION]
+        within = [abs(n - 6) * 4 <= 6 for n in turns]
+        assert not any(within[:-1]) and (within[-1] or len(turns) == 3), turns  # stops at the first turn within
+        assert record.metadata["env_reward"] == pytest.approx(length_score(turns[-1], 6)), turns
+
+
+def _segments_with_ids(sample: Any) -> list[tuple[int, list[int], None]]:
+    """(turn index or OBSERVATION, the ids) of each run of `sample.turn_ids`."""
+    out: list[tuple[int, list[int], None]] = []
+    for index, turn in enumerate(sample.turn_ids):
+        if out and out[-1][0] == turn:
+            out[-1][1].append(sample.token_ids[index])
+        else:
+            out.append((turn, [sample.token_ids[index]], None))
+    return out

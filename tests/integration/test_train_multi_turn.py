@@ -54,3 +54,21 @@ def test_multi_turn_feedback_run_through_mlflow(server: Any, tmp_path: Path) -> 
     for key in ("reward/mean", "loss/policy", "rollout_corr/k3_kl", "multi_turn/num_turns_mean",
                 "rollout_corr/turn_1/k3_kl"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [1, 2], key
+
+
+@pytest.mark.timeout(1500)
+def test_length_feedback_preset_end_to_end(tmp_path: Path) -> None:
+    # the preset of docs/multi_turn.md's SmolLM2 run, on the tiny Llama: turns of 16 tokens against a target of 8,
+    # so a turn that does not stop early gets the length feedback and another turn
+    out = tmp_path / "run"
+    args = [*TINY_FAST, "task=length_feedback", "task.target_length=8", "task.prompts_per_step=2", "run.num_steps=2",
+            f"run.output_dir={out}", "tracking.enabled=false", "checkpoint.every_n_steps=0", "export.at_end=false"]
+    proc = subprocess.run(NRC + args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=1400)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert not nan_metrics(row), nan_metrics(row)
+        assert -1.0 <= row["reward/mean"] <= 0.0  # the last turn's length score
+        assert 1.0 < row["multi_turn/num_turns_mean"] <= 3.0 and row["multi_turn/observation_tokens_frac"] > 0
+        assert all(f"rollout_corr/turn_{k}/k3_kl" in row for k in range(3))

@@ -24,6 +24,8 @@ from nemo_rollout_correction.trainer.environments import (
     calculator_env,
     environment_reward,
     evaluate_expression,
+    length_feedback_env,
+    length_score,
 )
 from nemo_rollout_correction.trainer.tasks import build_task
 
@@ -191,3 +193,36 @@ def test_retokenized_chat_ids_renders_the_conversation() -> None:
     text = tokenizer.decode(ids)
     assert text.index("What is 1 + 1?") < text.index("3") < text.index("Try again.") < text.rindex("2")
     assert text.count("<|im_start|>assistant") == 2 and text.count("<|im_start|>user") == 2
+
+
+def test_length_feedback_env_rewards_sum_to_the_last_turns_score() -> None:
+    record = PromptRecord("Describe a river.", None, metadata={"task": "length_target", "target_length": 16})
+
+    def play(lengths: list[int]) -> tuple[list[EnvStep], float]:
+        state, steps = EnvState(record=record), []
+        for turn, n in enumerate(lengths):  # what run_multi_turn does with the answers
+            state.turn = turn
+            step = length_feedback_env(state, list(range(n)))
+            steps.append(step)
+            if step.reward is not None:
+                state.rewards.append(step.reward)
+            if step.done:
+                break
+        return steps, sum(state.rewards)
+
+    steps, total = play([40, 24, 18])  # too long, still too long (24 > 16 + 4), then within a quarter: done
+    assert [s.done for s in steps] == [False, False, True]
+    assert steps[0].observation == "That was 40 tokens; write about 16 tokens."
+    assert total == pytest.approx(length_score(18, 16)) == pytest.approx(-2 / 16)
+    steps, total = play([12])  # within a quarter at once
+    assert steps[0].done and total == pytest.approx(-4 / 16)
+    steps, total = play([2, 64, 30])  # never within: the score of the last turn generated
+    assert not any(s.done for s in steps) and total == pytest.approx(-14 / 16)
+    assert length_score(64, 16) == -1.0
+
+
+def test_length_feedback_task() -> None:
+    task = build_task("length_feedback", num_prompts=6, target_length=16, seed=3, num_eval_prompts=2)
+    plain = build_task("length_target", num_prompts=6, target_length=16, seed=3, num_eval_prompts=2)
+    assert task.environment is length_feedback_env and task.reward_fn is environment_reward
+    assert task.records == plain.records and task.eval_records == plain.eval_records

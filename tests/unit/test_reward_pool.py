@@ -162,7 +162,8 @@ def test_config_refuses_bad_worker_counts_and_timeouts() -> None:
 
 def test_workers_that_cannot_start_fail_fast_not_after_the_startup_bound() -> None:
     # A main module read from stdin cannot be re-imported by spawned workers: they exit at once, and the pool
-    # would replace them forever. The pool notices and fails in seconds, saying why.
+    # would replace them forever. The pool notices and fails in seconds, saying why. (Only a reward defined in
+    # that main module needs it re-imported: with a reward from a module the workers skip it and start.)
     import subprocess
 
     script = (
@@ -171,15 +172,19 @@ def test_workers_that_cannot_start_fail_fast_not_after_the_startup_bound() -> No
         "import reward_pool_fns\n"
         "from nemo_rollout_correction.trainer.reward_pool import RewardPool\n"
         "from nemo_rollout_correction.trainer.data import PromptRecord\n"
+        "def stdin_reward(completions, **unused):\n"
+        "    return [1.0] * len(completions)\n"
+        "print('MODULE', RewardPool(reward_pool_fns.raises_on_bad, 1, 30, startup_timeout_s=100).score(\n"
+        "    ['p'], ['ok'], [PromptRecord('p')], [1]))\n"
         "try:\n"
-        "    RewardPool(reward_pool_fns.raises_on_bad, 1, 30, startup_timeout_s=100).score(\n"
-        "        ['p'], ['ok'], [PromptRecord('p')], [1])\n"
+        "    RewardPool(stdin_reward, 1, 30, startup_timeout_s=100).score(['p'], ['ok'], [PromptRecord('p')], [1])\n"
         "except Exception as error:\n"
         "    print('ERROR', error)\n"
     )
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=90)
-    expected = "ERROR reward fn reward_pool_fns:raises_on_bad: reward worker processes exit while starting"
-    assert expected in proc.stdout, proc.stderr[-2000:]
+    assert "MODULE [1.0]" in proc.stdout, proc.stderr[-2000:]
+    expected = "ERROR reward fn __main__:stdin_reward: reward worker processes exit while starting"
+    assert expected in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "not from stdin" in proc.stdout
     assert time.monotonic() - start < 75  # inside startup_timeout_s=100
