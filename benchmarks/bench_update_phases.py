@@ -18,6 +18,20 @@ all-reduce + clip + AdamW), `zero`. The first update is warm-up and excluded; me
     python benchmarks/bench_update_phases.py --model <hf dir> --dtype bfloat16 --updates 6
 
 `--model` takes what `nrc train` takes (`tiny-llama`, `smollm2-135m`, or a Hugging Face directory).
+
+`--compare attention` times instead the trainer's path with two core attentions, built side by side the same way:
+
+  sdpa            the CPU layer spec's core attention (`models.sdpa_attention`, torch's fused kernel)
+  unfused         the same model with Megatron's unfused `DotProductAttention` math (`fused = False`)
+
+    python benchmarks/bench_update_phases.py --model smollm2-135m --compare attention --rows 8 --width 104
+
+`--compare lm-head`: the trainer's path with the loss on the last `width - prompt` positions of every row,
+
+  cut             the output layer and the log-softmax from the first loss position on (`models.logit_positions`)
+  full            every position's logits computed (before it), those of the prompt discarded
+
+    python benchmarks/bench_update_phases.py --model smollm2-135m --compare lm-head --rows 8 --width 104 --prompt 56
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 PATHS = ("megatron", "megatron-plain", "hand-written")
+COMPARISONS = {"paths": PATHS, "attention": ("sdpa", "unfused"), "lm-head": ("cut", "full")}
 
 
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
@@ -54,7 +69,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
     from nemo_rollout_correction.models.schedule import run_microbatches
     from nemo_rollout_correction.models.sources import resolve_model_source
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args["threads"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=900))
     patch_cuda_for_cpu()
@@ -70,14 +85,25 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
         clip_grads.multi_tensor_scale_impl = impl
 
     updates: dict[str, Any] = {}
-    for name in PATHS:
+    for name in COMPARISONS[args["compare"]]:
         policy = MegatronPolicy.from_hf(source, params_dtype=args["dtype"])
+        if name == "unfused":
+            from nemo_rollout_correction.models.sdpa_attention import SdpaDotProductAttention
 
-        def loss(index: int, logits: torch.Tensor, policy: Any = policy) -> torch.Tensor:
-            return -policy.logprobs_from_logits(logits, batch[index]).mean() / 2
+            for module in policy.model.modules():
+                if isinstance(module, SdpaDotProductAttention):
+                    module.fused = False
+
+        start = args["prompt"] - 1 if args["compare"] == "lm-head" else 0  # the first position the loss reads
+        starts = [start if name == "cut" else 0] * len(batch)
+
+        def loss(index: int, logits: torch.Tensor, policy: Any = policy, starts: list[int] = starts,
+                 start: int = start) -> torch.Tensor:
+            logprobs = policy.logprobs_from_logits(logits, batch[index], start=starts[index])
+            return -logprobs[:, start:].mean() / 2
 
         if name != "hand-written":
-            plain = name == "megatron-plain"
+            plain = name == "megatron-plain"  # sdpa / unfused: the trainer's path, like megatron
             original = policy_optimizer.cpu_ddp_class
             if plain:  # Megatron's own DDP class instead of the CPU subclass
                 policy_optimizer.cpu_ddp_class = lambda: DistributedDataParallel  # type: ignore[assignment]
@@ -87,10 +113,12 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
             finally:
                 policy_optimizer.cpu_ddp_class = original  # type: ignore[assignment]
 
-            def update(timed: Any, optim: Any = optim, loss: Any = loss, plain: bool = plain) -> None:
+            def update(timed: Any, optim: Any = optim, loss: Any = loss, plain: bool = plain,
+                       starts: list[int] = starts) -> None:
                 use_scale(local_multi_tensor_scale if plain else fast_scale)
                 timed("zero", optim.zero_grad)
-                timed("fwdbwd", lambda: run_microbatches(optim.module, batch, loss, forward_only=False))
+                timed("fwdbwd", lambda: run_microbatches(optim.module, batch, loss, forward_only=False,
+                                                         output_starts=starts))
                 timed("step", optim.step)
         else:
             params = [p for p in policy.model.parameters() if p.requires_grad]
@@ -152,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=8, help="updates per path (the first is warm-up)")
     parser.add_argument("--rows", type=int, default=2, help="rows per microbatch (two microbatches per update)")
     parser.add_argument("--width", type=int, default=96, help="tokens per row")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank (CPU time counts this thread only: compare wall times above 1)")
+    parser.add_argument("--prompt", type=int, default=56, help="--compare lm-head: prompt tokens per row")
+    parser.add_argument("--compare", default="paths", choices=tuple(COMPARISONS),
+                        help="paths: the three update paths; attention: the fused vs the unfused core attention")
     args = parser.parse_args(argv)
     if args.updates < 2:
         parser.error("--updates must be >= 2 (the first is warm-up)")
@@ -163,16 +196,26 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(args.dp, port, vars(args), out), nprocs=args.dp, start_method="spawn")
         samples = json.loads(Path(out, "rank0.json").read_text())
-    print(f"{args.model} {args.dtype} DP={args.dp}: medians over {args.updates - 1} updates, rank 0, ms")
-    print(f"{'phase':<10}" + "".join(f"{name + ' cpu':>20}{'wall':>8}" for name in PATHS))
+    paths = COMPARISONS[args.compare]
+    print(f"{args.model} {args.dtype} DP={args.dp}, {2 * args.rows} rows x {args.width} tokens: "
+          f"medians over {args.updates - 1} updates, rank 0, ms")
+    print(f"{'phase':<10}" + "".join(f"{name + ' cpu':>20}{'wall':>8}" for name in paths))
     for phase in ("fwdbwd", "step", "zero", "update"):
         row = f"{phase:<10}"
-        for name in PATHS:
+        for name in paths:
             values = samples[f"{name}/{phase}"]
             row += (f"{1000 * statistics.median(v[0] for v in values):>20.1f}"
                     f"{1000 * statistics.median(v[1] for v in values):>8.1f}")
         print(row)
-    cpu = {name: statistics.median(v[0] for v in samples[f"{name}/update"]) for name in PATHS}
+    cpu = {name: statistics.median(v[0] for v in samples[f"{name}/update"]) for name in paths}
+    if args.compare != "paths":
+        new, old = paths
+        kind = 0 if args.threads == 1 else 1  # CPU time of this thread, or wall time with more threads
+        pairs = zip(samples[f"{new}/update"], samples[f"{old}/update"], strict=True)
+        ratios = [a[kind] / b[kind] for a, b in pairs]
+        print(f"update {('CPU', 'wall')[kind]} time {new} / {old}: median of interleaved pairs "
+              f"{statistics.median(ratios):.3f} ({', '.join(f'{r:.2f}' for r in ratios)})")
+        return 0
     print(f"update CPU time megatron / hand-written = {cpu['megatron'] / cpu['hand-written']:.2f}; "
           f"megatron / megatron-plain = {cpu['megatron'] / cpu['megatron-plain']:.2f}")
     return 0

@@ -27,21 +27,23 @@ class AllGatherContextParallelAttention(nn.Module):
     """Drop-in `core_attention` of the local GPT layer spec for `context_parallel_size > 1`.
 
     Same constructor and forward signature as `megatron.core.transformer.dot_product_attention.
-    DotProductAttention`, which it wraps (with a CP size of 1) for the attention math itself.
+    DotProductAttention`; the attention math itself is `models.sdpa_attention.SdpaDotProductAttention` (that
+    module with a CP size of 1, on torch's fused kernel) over the gathered keys and values.
     """
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from nemo_rollout_correction.models.sdpa_attention import SdpaDotProductAttention
 
         super().__init__()
         self.config = config
         self.cp_group = ps.get_context_parallel_group()
         local_config = copy.copy(config)
         local_config.context_parallel_size = 1  # DotProductAttention refuses CP; we feed it gathered K/V
-        self.inner = DotProductAttention(local_config, layer_number, attn_mask_type, attention_type,
+        self.inner = SdpaDotProductAttention(local_config, layer_number, attn_mask_type, attention_type,
                                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
                                          pg_collection=pg_collection)
 

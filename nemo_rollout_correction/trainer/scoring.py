@@ -21,15 +21,18 @@ __all__ = ["SequenceLogRatios", "score_microbatches", "sequence_log_ratios"]
 
 def score_microbatches(policy: MegatronPolicy, input_ids: list[Tensor], replay: Mapping[str, Any], *,
                        labels: list[Tensor] | None = None,
-                       position_ids: list[Tensor] | None = None) -> list[Tensor] | None:
+                       position_ids: list[Tensor] | None = None,
+                       starts: list[int] | None = None) -> list[Tensor] | None:
     """No-grad logprobs of every microbatch with vLLM's sampler replayed (`replay`: temperature, top_k, top_p).
 
     Without `labels` (no context parallelism): `[rows, width - 1]` next-token logprobs. With `labels` and
     `position_ids` (this CP rank's shares, from `distributed.context_parallel.shard_next_token_batch`):
     `[rows, width // cp]` logprobs of the held tokens. The last pipeline stage gets the list, the others None.
+    `starts` (no CP): per microbatch the first position whose logits are computed, the logprobs before it 0
+    (`MegatronPolicy.score_microbatches`).
     """
     if not labels:
-        return policy.score_microbatches(input_ids, **replay)
+        return policy.score_microbatches(input_ids, starts=starts, **replay)
     return policy.score_microbatches(input_ids, labels=labels, position_ids=position_ids, **replay)
 
 
