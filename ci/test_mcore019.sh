@@ -18,6 +18,8 @@ SUITES=(
   tests/integration/test_checkpoint.py          # dist_checkpointing resharding matrix
   tests/integration/test_hf_conversion.py       # HF <-> Megatron weights, every family
   tests/integration/test_cpu_training.py        # the training step's machinery on CPU
+  tests/integration/test_sdpa_attention.py      # the fused core attention subclasses 0.19.2's DotProductAttention
+  tests/integration/test_logit_positions.py     # the output layer from the first loss position
   tests/unit/test_losses_single.py
   tests/unit/test_trainer_scoring.py
   tests/distributed/test_losses.py
