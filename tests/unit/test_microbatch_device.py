@@ -28,7 +28,7 @@ def test_microbatch_tensors_follow_the_policy_device() -> None:
     trainer = SimpleNamespace(
         groups=SimpleNamespace(dp_size=1, dp_rank=0, cp_size=1, cp_rank=0),
         cfg=SimpleNamespace(policy=SimpleNamespace(micro_batch_size=4)),
-        policy=SimpleNamespace(device=meta, routing=None),
+        policy=SimpleNamespace(device=meta, routing=None, cuts_logits=True),
         pad_id=0,
     )
     microbatches: list[Microbatch] = PolicyUpdate._microbatches(trainer, tensors, torch.randn(rows),  # type: ignore[arg-type]
