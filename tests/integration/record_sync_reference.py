@@ -5,7 +5,13 @@ code path the `rollout.max_staleness=0` test must equal), e.g. main before mergi
     PYTHONPATH=/tmp/sync_ref python tests/integration/record_sync_reference.py <commit>
 
 Needed when a change to the synchronous step (optimizer, numerics, metrics) lands: the recorded values then
-change for a legitimate reason. Recording from the tree under test would make the test unable to fail.
+change for a legitimate reason. Recording from the tree under test would make the test unable to fail. Once no
+commit without async rollouts has the new numerics (e.g. the fused CPU attention), record from a separate
+checkout of the commit that brings them, at `rollout.max_staleness=0`, after the test passed on its parent with
+the previous recording, and say so in the argument (it lands in `recorded_from`):
+
+    git worktree add /tmp/sync_ref <commit>
+    PYTHONPATH=/tmp/sync_ref python tests/integration/record_sync_reference.py "main <sha> at rollout.max_staleness=0"
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "nemo_rollout_correction.cli", "train", *overrides,
                         f"run.output_dir={tmp}/run"], check=True, env=env, cwd=tmp)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [{k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith("_per_s")} for r in rows]
+    # wall-clock values out, as nrc_cli.deterministic drops them from the runs compared with this file
+    steps = [{k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith(("_per_s", "_refit_s"))}
+             for r in rows]
     import torch
     import vllm
 

@@ -20,7 +20,6 @@ Default lane: the k=1 run (about 1 minute); the others are marked slow (about 20
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -97,15 +96,8 @@ def test_max_staleness_0_is_the_recorded_synchronous_step(tmp_path: Path) -> Non
     assert len(steps) == len(REFERENCE["steps"]) == 3
     for got, want in zip(steps, REFERENCE["steps"], strict=True):
         assert not any(key in got for key in STALENESS_KEYS)
-        # the reference predates rollout.placement, whose one new deterministic metric is the engine count, and
-        # prob_pearson's NaN where Pearson's r is undefined (the reference reads 0.0 there), and the first forward
-        # as old logprobs (grpo.reuse_first_forward_old_logprobs, bit-identical), which says so, and the refit's
-        # verification (rollout.verify_refit), which reads the engine's weights back and changes nothing
-        pearson, want_pearson = got.pop("rollout_corr/prob_pearson"), want["rollout_corr/prob_pearson"]
-        assert pearson == want_pearson or (math.isnan(pearson) and want_pearson == 0.0), (pearson, want_pearson)
-        want = {k: v for k, v in want.items() if k != "rollout_corr/prob_pearson"}
-        assert deterministic(got) == {**want, "rollout/num_engines": 1.0, "optim/old_logprobs_reused": 1.0,
-                                     "rollout/refit_verified": 1.0}
+        # every recorded metric but wall-clock values, NaN (an undefined metric) equal to NaN
+        assert deterministic(got) == deterministic(want)
 
 
 @pytest.mark.slow
