@@ -93,6 +93,7 @@ def test_staleness_axis_runs_async_cells(tmp_path: Path) -> None:
         return [json.loads(line).get("rollout/token_staleness_max", 0.0) for line in lines]
 
     # Batch j comes from version max(0, j - k): step 1 is fresh either way, later async steps are one version old.
+    assert not any((out / "runs").glob("*/checkpoints"))  # deleted once each run finished (--keep-checkpoints)
     assert staleness_per_step("bfloat16-k0-token_tis-s1") == [0.0, 0.0, 0.0]
     assert staleness_per_step("bfloat16-k1-token_tis-s1")[1:] == [1.0, 1.0]
 
