@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +51,16 @@ def deterministic(m: dict[str, Any]) -> dict[str, Any]:
     undefined metric, docs/metrics.md) as "nan" so that two undefined values compare equal."""
     return {k: "nan" if v != v else v for k, v in m.items()
             if not k.startswith("timing/") and not k.endswith(("_per_s", "_refit_s"))}
+
+
+def train_two_steps(args: list[str], cwd: Path, out: Path) -> list[dict[str, Any]]:
+    """Run `nrc train` with `args` (which set `run.num_steps=2` and `run.output_dir=out`), check that it exited 0 and
+    logged steps 1 and 2 with no NaN beyond the undefined-as-NaN metrics; returns those rows."""
+    proc = subprocess.run([sys.executable, "-m", "nemo_rollout_correction.cli", "train", *args], cwd=cwd,
+                          env=cli_env(), capture_output=True, text=True, timeout=1400)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert not nan_metrics(row), nan_metrics(row)
+    return rows

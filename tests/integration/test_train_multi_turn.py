@@ -7,8 +7,6 @@ responses: more response tokens than sampled ones), and the per-turn mismatch me
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +17,9 @@ require("megatron.core", "megatron")
 require("vllm", "cpu")
 require("mlflow", "mlflow")
 
-from nrc_cli import TINY_FAST, cli_env, nan_metrics, read_metrics
+from nrc_cli import TINY_FAST, train_two_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
 
 
 @pytest.mark.timeout(1500)  # 2 steps took 60-90 s each on a loaded 2-core machine, plus engine start
@@ -32,13 +28,8 @@ def test_multi_turn_feedback_run_through_mlflow(server: Any, tmp_path: Path) -> 
     args = [*TINY_FAST, "tracking.system_metrics=false", "task=arithmetic_feedback", "rollout.max_turns=3",
             "rollout.max_new_tokens=8", "task.prompts_per_step=2", "run.num_steps=2", f"run.output_dir={out}",
             f"tracking.tracking_uri={server.uri}", "tracking.experiment=multi_turn", "tracking.plot_every=0"]
-    proc = subprocess.run(NRC + args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=1400)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
-
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = train_two_steps(args, tmp_path, out)
     for row in rows:
-        assert not nan_metrics(row), nan_metrics(row)
         # a random model never answers right: every trajectory runs 3 turns, with 2 observations between them
         assert row["multi_turn/num_turns_mean"] == pytest.approx(3.0)
         assert row["multi_turn/observation_tokens_frac"] > 0
@@ -63,12 +54,8 @@ def test_length_feedback_preset_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [*TINY_FAST, "task=length_feedback", "task.target_length=8", "task.prompts_per_step=2", "run.num_steps=2",
             f"run.output_dir={out}", "tracking.enabled=false", "checkpoint.every_n_steps=0", "export.at_end=false"]
-    proc = subprocess.run(NRC + args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=1400)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = train_two_steps(args, tmp_path, out)
     for row in rows:
-        assert not nan_metrics(row), nan_metrics(row)
         assert -1.0 <= row["reward/mean"] <= 0.0  # the last turn's length score
         assert 1.0 < row["multi_turn/num_turns_mean"] <= 3.0 and row["multi_turn/observation_tokens_frac"] > 0
         assert all(f"rollout_corr/turn_{k}/k3_kl" in row for k in range(3))

@@ -8,8 +8,6 @@ rewritten context) included: each segment is scored under the context it was sam
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +18,9 @@ require("megatron.core", "megatron")
 require("vllm", "cpu")
 require("mlflow", "mlflow")
 
-from nrc_cli import TINY_FAST, cli_env, nan_metrics, read_metrics
+from nrc_cli import TINY_FAST, train_two_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-NRC = [sys.executable, "-m", "nemo_rollout_correction.cli", "train"]
 
 
 @pytest.mark.timeout(1500)
@@ -34,13 +30,8 @@ def test_compaction_run_trains_segments_at_the_floor(server: Any, tmp_path: Path
             "rollout_correction.sequence_unit=turn", "rollout.max_new_tokens=8", "task.prompts_per_step=2",
             "run.num_steps=2", f"run.output_dir={out}",
             f"tracking.tracking_uri={server.uri}", "tracking.experiment=rewritten", "tracking.plot_every=0"]
-    proc = subprocess.run(NRC + args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=1400)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
-
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = train_two_steps(args, tmp_path, out)
     for row in rows:
-        assert not nan_metrics(row), nan_metrics(row)
         assert row["multi_turn/num_turns_mean"] > 1.0  # the random policy answers wrongly: histories compacted
         assert row["multi_turn/observation_tokens_frac"] == 0.0  # a rewrite appends no observation
         assert row["rollout_corr/turn_1/num_tokens"] > 0
