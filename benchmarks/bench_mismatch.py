@@ -48,6 +48,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -146,8 +147,6 @@ def run_cell(cell: Cell, args: argparse.Namespace, extra: list[str], out: Path) 
         print(f"[bench_mismatch] {cell.name}: reusing {len(steps)} steps", file=sys.stderr, flush=True)
         return steps[: args.steps]
     if run_dir.exists():  # a partial run: start the cell again from nothing
-        import shutil
-
         shutil.rmtree(run_dir)
     overrides = [
         f"rollout.dtype={PRECISIONS[cell.dtype][0]}", f"model.dtype={PRECISIONS[cell.dtype][1]}",
@@ -167,8 +166,6 @@ def run_cell(cell: Cell, args: argparse.Namespace, extra: list[str], out: Path) 
         raise SystemExit(f"[bench_mismatch] {cell.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     print(f"[bench_mismatch] {cell.name}: done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     if not args.keep_checkpoints:  # the run's end checkpoint (1.5 GB on SmolLM2) is not read: 40 cells fill a disk
-        import shutil
-
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return _read_metrics(metrics_file)[: args.steps]
 
