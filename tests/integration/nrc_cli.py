@@ -53,6 +53,36 @@ def deterministic(m: dict[str, Any]) -> dict[str, Any]:
             if not k.startswith("timing/") and not k.endswith(("_per_s", "_refit_s"))}
 
 
+# What a recorded run may differ in on another machine (CPU kernels, vector width): fp32 rounding. Counts, token
+# totals, rewards (of identical tokens), the optimizer's schedule and the step are exact across machines.
+EXACT_PREFIXES = ("step", "perf/", "reward/", "response/", "optim/", "rollout/", "rollout_corr/num_",
+                  "rollout_corr/nonfinite_")
+# Elsewhere fp32 rounding: losses, norms and perplexities moved by at most 4e-7 relative between this machine's
+# default (AVX-512) and AVX2 kernel dispatch over 3 steps of the fp32 tiny Llama (measured 2026-11-28), so 1e-5.
+RECORDED_REL = 1e-5
+# With an fp32 engine and an fp32 trainer the mismatch metrics (rollout_corr/*) ARE rounding: log-ratios of a few
+# fp32 ulps (<= 1e-6), and rollout_is_std = sqrt(E[w^2] - E[w]^2) in fp32 turns a cancelling 6e-8 into 2.4e-4
+# (measured between the two dispatches), so they are compared to 1e-3 absolute; a real mismatch is far above.
+ROUNDOFF_ABS = 1e-3
+
+
+def assert_matches_recorded(got: dict[str, Any], want: dict[str, Any], keys: tuple[str, ...] | None = None) -> None:
+    """Compare a step's metrics with a step recorded on another machine: exact for what is exact across machines
+    (`EXACT_PREFIXES`), fp32 rounding's tolerance for the rest (`RECORDED_REL`, `ROUNDOFF_ABS`); NaN equals NaN;
+    wall-clock values are skipped. `keys`: only these (default: every recorded key)."""
+    got, want = deterministic(got), deterministic(want)
+    if keys is None:
+        assert set(got) == set(want), f"metrics added or lost: {sorted(set(got) ^ set(want))}"
+    for key in keys or tuple(want):
+        a, b = got[key], want[key]
+        if key.startswith(EXACT_PREFIXES) or isinstance(b, str):
+            assert a == b, f"{key}: {a!r} != recorded {b!r}"
+        elif key.startswith("rollout_corr/"):
+            assert abs(a - b) <= ROUNDOFF_ABS, f"{key}: {a!r} vs recorded {b!r} (abs {ROUNDOFF_ABS})"
+        else:
+            assert abs(a - b) <= RECORDED_REL * abs(b), f"{key}: {a!r} vs recorded {b!r} (rel {RECORDED_REL})"
+
+
 def train_two_steps(args: list[str], cwd: Path, out: Path) -> list[dict[str, Any]]:
     """Run `nrc train` with `args` (which set `run.num_steps=2` and `run.output_dir=out`), check that it exited 0 and
     logged steps 1 and 2 with no NaN beyond the undefined-as-NaN metrics; returns those rows."""
