@@ -177,7 +177,8 @@ class RolloutFleet:
                               if partial and cfg.rollout.max_staleness > 0 else None)
         # held-out evaluation on the engine rank (trainer/evaluation.py)
         self.evaluator = evaluation.build_evaluator(cfg, task, tokenize) if runtime.is_main else None
-        self.in_flight = InFlightRollouts(cfg, runtime, self.placement_key(), pipeline=lambda: self.pipeline,
+        # a checkpoint's in-flight rollouts (trainer/in_flight.py): saved with it, handed to the first steps on resume
+        self.in_flight = InFlightRollouts(cfg, runtime, self.num_engines, pipeline=lambda: self.pipeline,
                                           partial=self.partial, partial_async=self.partial_async,
                                           sharing=self.sharing, has_engine=self.engine is not None, log=log)
 
@@ -418,14 +419,6 @@ class RolloutFleet:
 
         # async rollouts: the engine belongs to the worker thread, so evaluation is one of its queued jobs
         return self.pipeline.call("evaluate", run_eval) if self.pipeline is not None else run_eval()
-
-    # ---- in-flight rollouts of a checkpoint (trainer/in_flight.py) -----------------------------------------
-
-    def placement_key(self) -> dict[str, Any]:
-        """What decides which engine generated which samples: a checkpoint's in-flight rollouts are reused only
-        under the same placement."""
-        return {"num_engines": self.num_engines, "world_size": self.runtime.world_size,
-                "data_parallel_size": self.groups.dp_size}
 
     def close(self) -> None:
         """Stop the async rollout worker and the rollout engine."""

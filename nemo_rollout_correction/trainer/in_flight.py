@@ -31,8 +31,7 @@ class InFlightRollouts:
     Args:
         cfg: the run's config (`rollout.max_staleness`, `rollout.stale_policy`).
         runtime: the job's ranks.
-        placement_key: what decides which engine generated which samples (`RolloutFleet.placement_key`): saved
-            batches are reused only under the same one.
+        num_engines: the fleet's engines (with the world and data-parallel sizes, `placement_key`).
         pipeline: the fleet's async pipeline as it is now (None before the first async step or without one).
         partial: the synchronous partial rollouts' pool (None without).
         partial_async: the async partial rollouts' pool (None without).
@@ -41,12 +40,15 @@ class InFlightRollouts:
         log: progress lines.
     """
 
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, placement_key: dict[str, Any], *,
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, num_engines: int, *,
                  pipeline: Callable[[], async_rollouts.RolloutPipeline | None],
                  partial: partial_rollouts.PartialRollouts | None,
                  partial_async: partial_rollouts.AsyncPartialJobs | None, sharing: RowSharing, has_engine: bool,
                  log: Callable[[str], None]) -> None:
-        self.cfg, self.runtime, self.placement_key, self.log = cfg, runtime, placement_key, log
+        self.cfg, self.runtime, self.num_engines, self.log = cfg, runtime, num_engines, log
+        # what decides which engine generated which samples: saved batches are reused only under the same placement
+        self.placement_key = {"num_engines": num_engines, "world_size": runtime.world_size,
+                              "data_parallel_size": runtime.groups.dp_size}
         self.pipeline, self.partial, self.partial_async = pipeline, partial, partial_async
         self.sharing, self.has_engine = sharing, has_engine
         # the restored batches for the first steps, and whether to regenerate them
@@ -61,7 +63,7 @@ class InFlightRollouts:
         if pipeline is None:
             return None
         pipeline.drain()
-        state = {**pipeline.state(self.placement_key["num_engines"]), "placement": self.placement_key}
+        state = {**pipeline.state(self.num_engines), "placement": self.placement_key}
         if self.partial_async is not None and self.has_engine:  # the pool after every queued job
             state["partial_async"] = self.partial_async.state()
         return state
