@@ -124,7 +124,7 @@ class RowSharing:
         owner: list[tuple[int, int, int, int]] = []
         for sample in batch.samples:
             if sample.origin is None:
-                raise RuntimeError("localize_rollouts: a sample without its origin (not from share_rollouts)")
+                raise RuntimeError("RowSharing.localize: a sample without its origin (not from RowSharing.share)")
             owner.append(sample.origin)
         rows_of_dp = {d: sorted(train_rows(len(batch.samples), d).tolist()) for d in range(self.groups.dp_size)}
         received: dict[int, tuple[list[float], Tensor | None]] = {}
