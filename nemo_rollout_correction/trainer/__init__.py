@@ -2,8 +2,11 @@
 
 - `grpo`: `GrpoTrainer`, one step = rollouts -> rewards -> advantages -> rollout correction -> update -> refit:
   the wiring, the step's phases, the run loop and the checkpoint calls; it owns three components:
-- `fleet`: `RolloutFleet`, the engines: placement, generation, sharing rows between ranks, refit, the async
-  pipeline and its in-flight batches, evaluation's use of the engines;
+- `fleet`: `RolloutFleet`, the engines: placement, generation, the step's batch by rollout mode (synchronous,
+  async pipeline, partial), refit, evaluation's use of the engines; with `row_sharing` (`RowSharing`: rows
+  between ranks) and `in_flight` (`InFlightRollouts`: a checkpoint's in-flight rollouts);
+- `step_batch`: `prepare_batch`, the step's batch from its rollouts: advantages, rewritten-history rows,
+  tensors, the overlong filter, the staleness tensors;
 - `policy_update`: `PolicyUpdate`, the optimizer updates: mini-batches and microbatches, old and reference
   logprobs, plan -> forward/backward -> finish, as immutable records per phase;
 - `step_report`: `StepReport`, the step's metrics, the review, `metrics.jsonl` and the observer calls;

@@ -108,7 +108,7 @@ class TakenBatch:
 
 
 def stamp_version(local: LocalRollouts | None, version: int) -> LocalRollouts | None:
-    """`local` with every sample's `policy_version` set (it travels with the sample through `share_rollouts`).
+    """`local` with every sample's `policy_version` set (it travels with the sample through `RowSharing.share`).
 
     A sample with per-token versions (partial rollouts, trainer/partial_rollouts.py `AsyncPartialJobs`) keeps the
     version of its first token, which an earlier job may have sampled."""

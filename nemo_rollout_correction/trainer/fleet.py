@@ -6,25 +6,30 @@ What it owns (and is the only part of the trainer to touch):
 - generation: each engine generates its contiguous share of a step's prompts, with the request seeds one
   engine would use (`rollout.placement.request_seed` / `shard_request_seed`: the only seed arithmetic), and
   its rank scores them with the task's reward function;
-- sharing rows between ranks: the step's samples and rewards on every rank (`share_rollouts`), then the
-  logprobs and routing of the rows each data-parallel group trains (`localize`, point-to-point sends);
-- refit and weight push: the policy's weights gathered to the engine ranks and loaded into the engines;
-- the async pipeline (`rollout.max_staleness >= 1`, trainer/async_rollouts.py), which drives this fleet's
-  `generate_local` / `push_weights` in its worker thread, and the in-flight batches it saves with a
-  checkpoint and restores on resume;
+- the step's batch (`collect`) by mode: synchronous with DAPO's refills, from the async pipeline
+  (`rollout.max_staleness >= 1`, trainer/async_rollouts.py, which drives this fleet's `generate_local` /
+  `push_weights` in its worker thread) or from partial rollouts' pool (trainer/partial_rollouts.py), handed
+  over with what the mode adds to the batch tensors (the staleness of rows and tokens);
+- refit and weight push: the policy's weights gathered to the engine ranks and loaded into the engines, as the
+  mode needs them after each step (`sync_weights`);
 - evaluation's use of the engines (through the pipeline's queue when there is one).
+
+Two jobs it hands to their own classes: sharing rows between ranks (`RowSharing`, trainer/row_sharing.py: the
+step's samples and rewards on every rank, then the logprobs and routing of the rows each data-parallel group
+trains) and the rollouts in flight at a checkpoint (`InFlightRollouts`, trainer/in_flight.py: saved with it,
+restored on resume).
 
 What it does not touch: the policy's training state (it reads the weights it is handed in `sync_weights`),
 the optimizer, metrics files, the observer, checkpoint files other than its own in-flight rollouts.
 
 The engine is driven through four seams: `generate_local` (no collectives, may run in the worker),
-`share_rollouts` (collective), `gather_engine_weights` (collective) and `push_weights` (no collectives).
+`RowSharing.share` (collective), `gather_engine_weights` (collective) and `push_weights` (no collectives).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,8 +41,9 @@ from torch import Tensor
 
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.pipeline import gather_weights_to_first_stage
-from nemo_rollout_correction.distributed.runtime import Runtime, all_gather_object, barrier, recv_object, send_object
+from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.models.policy import MegatronPolicy
+from nemo_rollout_correction.rollout.partial import token_staleness
 from nemo_rollout_correction.rollout.placement import (
     check_seed_budget,
     prompt_shard,
@@ -55,19 +61,14 @@ from nemo_rollout_correction.trainer.environments import (
     generate_multi_turn,
     trajectory_train_rows,
 )
+from nemo_rollout_correction.trainer.in_flight import InFlightRollouts
+from nemo_rollout_correction.trainer.policy_update import PhaseTimer
 from nemo_rollout_correction.trainer.rewards import score
-from nemo_rollout_correction.trainer.settings import (
-    broadcast_rollouts,
-    engine_options,
-    gather_rollouts,
-    sampling_options,
-)
+from nemo_rollout_correction.trainer.row_sharing import RowSharing, TrainRows
+from nemo_rollout_correction.trainer.settings import engine_options, sampling_options
 from nemo_rollout_correction.trainer.tasks import Task
 
-__all__ = ["CollectedRollouts", "RolloutFleet", "TrainRows"]
-
-TrainRows = Callable[[int, int], Tensor]
-"""`(num_samples, dp_rank) -> [rows]` the rows of a step's batch that data-parallel rank `dp_rank` trains."""
+__all__ = ["CollectedRollouts", "RolloutFleet"]
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,32 @@ class CollectedRollouts:
         batch: `rollouts.batch` with the logprobs and routing of the rows this rank trains (`localize`).
         seconds: `generation` (and with async rollouts `rollout_wait`) seconds of the step.
         engine_refit_seconds: each engine's latest weight load, as reported with these rollouts.
+        version: the trainer's version that trains them (the step's index): staleness counts from it.
+        row_staleness: async rollouts: each row's `staleness` (version minus its `policy_version`).
+        token_staleness: async or partial rollouts: each response token's `token_staleness`.
     """
 
     rollouts: StepRollouts
     batch: RolloutBatch
     seconds: dict[str, float]
     engine_refit_seconds: tuple[float, ...]
+    version: int
+    row_staleness: bool = False
+    token_staleness: bool = False
+
+    def staleness_tensors(self, batch: RolloutBatch, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What the mode adds to the tensors of the rows trained (`batch`, `tensors = batch.to_tensors(...)`):
+        `staleness` `[rows]` and `token_staleness` `[rows, seq]` (rollout/partial.py) when the mode has them."""
+        extra = {}
+        if self.row_staleness:
+            extra["staleness"] = torch.tensor([self.version - s.policy_version for s in batch.samples])
+        if self.token_staleness:
+            extra["token_staleness"] = token_staleness(tensors["token_versions"], self.version)
+        return extra
 
 
 class RolloutFleet:
-    """This job's rollout engines: placement, generation, sharing, refit, the async pipeline (module docstring).
+    """This job's rollout engines: placement, generation, the step's batch by mode, refit (module docstring).
 
     Every rank builds one (collective: the placement is agreed on with every rank) and calls the same
     methods in the same order; `engine` is None on ranks without an engine.
@@ -139,20 +156,9 @@ class RolloutFleet:
         self.shares_rollouts = hosts and (not gpu_shards or groups.tp_rank == 0)
         self.engine: VllmRolloutEngine | None = None
         self.push_seconds = 0.0  # this rank's engine's latest weight load
-        # each engine's latest weight load (shared-buffer refit on CPU), as the last `share_rollouts` reported it
-        self.engine_refit_seconds: tuple[float, ...] = ()
-        # per_dp_group: the full samples this engine generated, by (step, attempt), until `localize` hands their
-        # logprobs and routing to the data-parallel group that trains them
-        self._held: dict[tuple[int, int], list[Any]] = {}
-        self._held_lock = threading.Lock()  # generate_local may run in another thread (async rollouts)
-        # every rank's (dp rank, engine index if it shares rollouts): the plan of `localize`
-        self._rank_roles: list[Any] = (all_gather_object((groups.dp_rank, self.engine_index if self.shares_rollouts
-                                                          else None))
-                                       if self.placement == "per_dp_group" else [])
+        self.sharing = RowSharing(runtime, self.placement, self.engine_index, self.shares_rollouts)  # collective
         # async rollouts (rollout.max_staleness >= 1): the engine-job pipeline, started by the first step
         self.pipeline: async_rollouts.RolloutPipeline | None = None
-        # in-flight rollouts of a checkpoint (`restore`) for the first steps, and whether to regenerate them
-        self._restored: tuple[list[async_rollouts.PendingBatch], bool] | None = None
         if hosts:
             options = engine_options(cfg, str(hf_dir), per_dp_group_gpu=gpu_shards, data_parallel_size=groups.dp_size)
             log(f"[nrc train] starting {self.num_engines} vLLM engine(s), placement {self.placement} "
@@ -171,6 +177,10 @@ class RolloutFleet:
                               if partial and cfg.rollout.max_staleness > 0 else None)
         # held-out evaluation on the engine rank (trainer/evaluation.py)
         self.evaluator = evaluation.build_evaluator(cfg, task, tokenize) if runtime.is_main else None
+        # a checkpoint's in-flight rollouts (trainer/in_flight.py): saved with it, handed to the first steps on resume
+        self.in_flight = InFlightRollouts(cfg, runtime, self.num_engines, pipeline=lambda: self.pipeline,
+                                          partial=self.partial, partial_async=self.partial_async,
+                                          sharing=self.sharing, has_engine=self.engine is not None, log=log)
 
     # ---- the step's rollouts ----------------------------------------------------------------------------
 
@@ -178,36 +188,40 @@ class RolloutFleet:
         """The rollouts step `step` trains on, identical on every rank, with this rank's rows localized (collective).
 
         Synchronous (`rollout.max_staleness=0`): generate now, with DAPO's refills (trainer/dynamic_sampling.py).
-        Async: take the batch the pipeline generated while earlier steps trained (waits if its job still runs).
+        Async: take the batch the pipeline generated while earlier steps trained (waits if its job still runs);
+        its rows and tokens carry their staleness. Partial rollouts: the pool's complete groups (token staleness).
         """
         if self.partial is not None:  # every rank holds whole samples (generate_shared): nothing to localize
             start = time.perf_counter()
             rollouts = self.partial.collect(step)
             seconds = {"generation": time.perf_counter() - start}
-            return CollectedRollouts(rollouts, rollouts.batch, seconds, self.engine_refit_seconds)
-        if self.cfg.rollout.max_staleness > 0:
+            return CollectedRollouts(rollouts, rollouts.batch, seconds, self.sharing.engine_refit_seconds, step,
+                                     token_staleness=True)
+        stale = self.cfg.rollout.max_staleness > 0
+        if stale:
             rollouts, seconds = self._take_async(step)
         else:
             start = time.perf_counter()
-            rollouts = collect_step_rollouts(self._next_records(), self.sampler,
+            rollouts = collect_step_rollouts(self.in_flight.next_records(self.sampler), self.sampler,
                                              lambda records, attempt: self.rollout(records, step, attempt), self.dapo)
             seconds = {"generation": time.perf_counter() - start}
-        refit_seconds = self.engine_refit_seconds
+        refit_seconds = self.sharing.engine_refit_seconds
         rows = trajectory_train_rows(rollouts.batch, train_rows)  # rewritten histories: the trajectories of its rows
-        return CollectedRollouts(rollouts, self.localize(rollouts.batch, step, rows), seconds, refit_seconds)
+        return CollectedRollouts(rollouts, self.sharing.localize(rollouts.batch, step, rows), seconds, refit_seconds,
+                                 step, row_staleness=stale, token_staleness=stale)
 
     def rollout(self, records: list[PromptRecord], step: int, attempt: int = 0) -> tuple[RolloutBatch, list[float]]:
         """Generate and score `records` for `step`; identical (batch, rewards) on every rank (collective).
 
         `attempt` k > 0 is the step's k-th dynamic-sampling refill (`rollout.placement.request_seed`).
         """
-        return self.share_rollouts(self.generate_local(records, step, attempt))
+        return self.sharing.share(self.generate_local(records, step, attempt), self.push_seconds)
 
     def generate_local(self, records: list[PromptRecord], step: int,
                        attempt: int = 0) -> tuple[RolloutBatch, list[float]] | None:
         """This rank's engine generates and scores `records` for `step` (None on ranks without an engine).
 
-        No collectives: safe to run beside training in another thread. `share_rollouts` then gives every rank
+        No collectives: safe to run beside training in another thread. `RowSharing.share` then gives every rank
         the step's batch.
         """
         if self.engine is None or self.engine_index is None:
@@ -231,11 +245,7 @@ class RolloutFleet:
             sample.prompt_index += shard.start
         if not self.shares_rollouts:  # another TP shard of this engine (GPU) scores and sends the samples
             return batch, []
-        if self.placement == "per_dp_group":  # kept here; `share_rollouts` sends them without logprobs/routing
-            for index, sample in enumerate(batch.samples):
-                sample.origin = (self.engine_index, step, attempt, index)
-            with self._held_lock:
-                self._held[(step, attempt)] = list(batch.samples)
+        self.sharing.hold(batch, step, attempt)  # per_dp_group: `share` sends them without logprobs/routing
         sample_records = turn_records or [records[s.prompt_index] for s in batch.samples]
         rewards = score(
             self.reward_fn,
@@ -265,16 +275,7 @@ class RolloutFleet:
         (logprobs included) on every rank, in prompt order; the engines split the prompts as `generate_local` does.
         Partial rollouts' calls (trainer/partial_rollouts.py): every rank keeps the same carried-over pool."""
         local = self.generate_here(prompts, n, max_tokens, seed) if self.engine is not None else None
-        if self.placement == "rank0":
-            shared, refit = broadcast_rollouts(local, self.push_seconds)
-            self.engine_refit_seconds = (refit,)
-            return shared
-        mine = None
-        if self.shares_rollouts and self.engine_index is not None and local is not None:
-            mine = (self.engine_index, local)
-        shared, extras = gather_rollouts(mine, self.push_seconds)
-        self.engine_refit_seconds = tuple(extras)
-        return shared
+        return self.sharing.share_whole(local, self.push_seconds)
 
     def generate_here(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> RolloutBatch:
         """No collectives (engine rank): this engine's share of `generate_shared`'s samples, in prompt order."""
@@ -290,83 +291,6 @@ class RolloutFleet:
                 sample.prompt_index += shard.start
         return local
 
-    def share_rollouts(self, local: tuple[RolloutBatch, list[float]] | None) -> tuple[RolloutBatch, list[float]]:
-        """Collective: every engine's (batch, rewards) on every rank of the job, in prompt order.
-
-        rank0: a broadcast from global rank 0. per_dp_group: one all-gather over the job in which each
-        engine's rank sends its share without logprobs and routing (`localize` moves those).
-        Also records the engines' latest refit seconds (`engine_refit_seconds`).
-        """
-        batch, rewards = local if local is not None else (None, None)
-        if self.placement == "rank0":
-            shared, rewards = broadcast_rollouts(batch, rewards)
-            self.engine_refit_seconds = (self.push_seconds,)
-            return shared, list(rewards)
-        mine = None
-        if self.shares_rollouts and self.engine_index is not None and batch is not None:
-            # metadata and token ids go to every rank; logprobs and routing only where trained (localize)
-            light = [dataclasses.replace(s, logprobs=[], routed_experts=None) for s in batch.samples]
-            mine = (self.engine_index, RolloutBatch(light, n=batch.n, seconds=batch.seconds))
-        shared, extras = gather_rollouts(mine, (list(rewards or []), self.push_seconds))
-        self.engine_refit_seconds = tuple(seconds for _, seconds in extras)
-        return shared, [r for engine_rewards, _ in extras for r in engine_rewards]
-
-    def localize(self, batch: RolloutBatch, step: int, train_rows: TrainRows) -> RolloutBatch:
-        """Collective: the step's chosen batch with the logprobs and routing of the rows this rank trains.
-
-        per_dp_group: `share_rollouts` gave every rank every sample without `logprobs` / `routed_experts`; now
-        each engine's rank sends, for each rank, the rows that rank's data-parallel group trains (`train_rows`:
-        after DAPO has chosen the batch). Pairs (engine rank, receiving rank) go in one global order, the same
-        on every rank, so the blocking gloo sends cannot deadlock. Rows other groups train keep `logprobs == []`
-        (zeros in `to_tensors`). rank0: the batch unchanged (it was broadcast whole).
-        """
-        if self.placement == "rank0":
-            return batch
-        me = self.runtime.rank
-        owner: list[tuple[int, int, int, int]] = []
-        for sample in batch.samples:
-            if sample.origin is None:
-                raise RuntimeError("localize_rollouts: a sample without its origin (not from share_rollouts)")
-            owner.append(sample.origin)
-        rows_of_dp = {d: sorted(train_rows(len(batch.samples), d).tolist()) for d in range(self.groups.dp_size)}
-        received: dict[int, tuple[list[float], Tensor | None]] = {}
-        with self._held_lock:
-            held = {(key, i): s for key, samples in self._held.items() for i, s in enumerate(samples)}
-        for src, (_, engine) in enumerate(self._rank_roles):
-            if engine is None:
-                continue
-            for dst, (dst_dp, _) in enumerate(self._rank_roles):
-                rows = [r for r in rows_of_dp[dst_dp] if owner[r][0] == engine]
-                if not rows or me not in (src, dst):
-                    continue
-                if me == src:
-                    full = [held[((owner[r][1], owner[r][2]), owner[r][3])] for r in rows]
-                    payload = {r: (s.logprobs, s.routed_experts) for r, s in zip(rows, full, strict=True)}
-                    if dst == me:
-                        received |= payload
-                    else:
-                        send_object(payload, dst)
-                else:
-                    got: Any = recv_object(src)
-                    received |= got
-        with self._held_lock:  # this step's rollouts are placed; later steps' (async) stay
-            for key in [k for k in self._held if k[0] <= step]:
-                del self._held[key]
-        samples = [dataclasses.replace(s, logprobs=list(received[i][0]), routed_experts=received[i][1])
-                   if i in received else s for i, s in enumerate(batch.samples)]
-        return RolloutBatch(samples, n=batch.n, seconds=batch.seconds)
-
-    def _next_records(self) -> list[PromptRecord]:
-        """The synchronous step's prompts: the sampler's next batch, or first the prompts of in-flight async
-        rollouts restored from a checkpoint (a run resumed with rollout.max_staleness=0)."""
-        if self._restored is None:
-            return self.sampler.next_batch()
-        batches, _ = self._restored
-        records = batches.pop(0).records
-        if not batches:
-            self._restored = None
-        return records
-
     # ---- async rollouts ------------------------------------------------------------------------------------
 
     def _start_pipeline(self, step: int) -> async_rollouts.RolloutPipeline:
@@ -381,8 +305,7 @@ class RolloutFleet:
             jobs, draw, max_staleness=cfg.max_staleness,
             stale_policy=cfg.stale_policy, samples_per_prompt=cfg.num_samples_per_prompt,
             has_engine=self.engine is not None, log=self.log)
-        restored, regenerate = self._restored or ([], False)
-        self._restored = None
+        restored, regenerate = self.in_flight.for_pipeline()
         pipeline.start(step, restored, regenerate=regenerate)
         self.log(f"[nrc train] async rollouts: rollout.max_staleness={cfg.max_staleness}, batch j is generated by "
                  f"version max({step}, j - {cfg.max_staleness})")
@@ -411,7 +334,7 @@ class RolloutFleet:
                 start = time.perf_counter()
                 local = pipeline.generate_now(records, step, attempt)
                 waited += time.perf_counter() - start
-            return self.share_rollouts(local)
+            return self.sharing.share(local, self.push_seconds)
 
         rollouts = collect_step_rollouts(taken.records, self.sampler, generate_and_score, self.dapo)
         versions = [s.policy_version for s in rollouts.batch.samples]
@@ -423,13 +346,19 @@ class RolloutFleet:
 
     # ---- weights ----------------------------------------------------------------------------------------
 
-    def sync_weights(self, policy: MegatronPolicy, step: int) -> None:
-        """After step `step`'s update (collective): synchronous, refit the engines now; async, gather the
-        weights, queue their push (version step + 1) and the generation of batch step + 1 + k."""
-        if self.pipeline is not None:
-            self.pipeline.end_step(step, self.gather_engine_weights(policy))
-        else:
-            self.refit(policy)
+    def sync_weights(self, policy: MegatronPolicy, step: int, *, updated: bool = True,
+                     timer: PhaseTimer = lambda phase: contextlib.nullcontext()) -> None:
+        """After step `step` (collective), timed as `timer("refit")` when it runs. Async: gather the weights,
+        queue their push (version step + 1, the same weights after a skipped update: the schedule goes on) and
+        the generation of batch step + 1 + k. Synchronous: refit the engines now, unless the step `updated` no
+        weight (DAPO skipped its update: the engines hold the policy's weights already)."""
+        if self.pipeline is None and not updated:
+            return
+        with timer("refit"):
+            if self.pipeline is not None:
+                self.pipeline.end_step(step, self.gather_engine_weights(policy))
+            else:
+                self.refit(policy)
 
     def refit(self, policy: MegatronPolicy) -> float:
         """Push `policy`'s weights into the engines now (collective); the engine rank's seconds (0 elsewhere)."""
@@ -490,93 +419,6 @@ class RolloutFleet:
 
         # async rollouts: the engine belongs to the worker thread, so evaluation is one of its queued jobs
         return self.pipeline.call("evaluate", run_eval) if self.pipeline is not None else run_eval()
-
-    # ---- in-flight rollouts of a checkpoint ---------------------------------------------------------------
-
-    def placement_key(self) -> dict[str, Any]:
-        """What decides which engine generated which samples: a checkpoint's in-flight rollouts are reused only
-        under the same placement."""
-        return {"num_engines": self.num_engines, "world_size": self.runtime.world_size,
-                "data_parallel_size": self.groups.dp_size}
-
-    def state(self) -> dict[str, Any] | None:
-        """Async rollouts: wait for the queued engine jobs and return this rank's in-flight batches (prompts,
-        versions, the engine rank's samples) for the checkpoint; None without the pipeline."""
-        if self.partial is not None:  # synchronous only (config rule): the carried-over pool
-            return {"partial": self.partial.state()}
-        if self.pipeline is None:
-            return None
-        self.pipeline.drain()
-        state = {**self.pipeline.state(self.num_engines), "placement": self.placement_key()}
-        if self.partial_async is not None and self.engine is not None:  # the pool after every queued job
-            state["partial_async"] = self.partial_async.state()
-        return state
-
-    def save_state(self, step_dir: Path, state: dict[str, Any] | None) -> None:
-        """Write `state()` to `<step_dir>/async_rollouts/rank_<r>.pt` (every rank; collective: ends in a barrier
-        so every file exists before `meta.json` marks the checkpoint complete). No-op for None."""
-        if state is None:
-            return
-        if "partial" in state:  # rank 0 writes the pool (identical on every rank)
-            partial_rollouts.save_state(step_dir, state["partial"], is_main=self.runtime.is_main)
-            barrier()
-            return
-        if "partial_async" in state:  # the engine's rank (rank 0) holds the pool
-            state = dict(state)
-            partial_rollouts.save_state(step_dir, state.pop("partial_async"), is_main=True)
-        path = async_rollouts.pending_file(step_dir, self.runtime.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
-        barrier()
-
-    def restore(self, step_dir: Path) -> None:
-        """Read the checkpoint's in-flight async rollouts (`async_rollouts.pending_file`) for the first steps.
-
-        Prompts and versions come from rank 0's file (identical on every rank), results from this rank's own.
-        Under another engine placement they are regenerated with the checkpoint's weights (not exact then).
-        """
-        pool = partial_rollouts.load_state(step_dir)
-        shared = async_rollouts.load_pending(step_dir, 0)
-        if pool is not None and (self.partial is not None or self.partial_async is not None):
-            saved = None if shared is None else (shared.get("max_staleness"), shared.get("placement"))
-            if saved is not None and saved != (self.cfg.rollout.max_staleness, self.placement_key()):
-                raise ValueError(  # the queued stages already moved the pool: they can be neither rerun nor dropped
-                    f"the checkpoint {step_dir} holds partial rollouts in flight in the async pipeline (rollout."
-                    f"max_staleness={saved[0]}, engine placement {saved[1]}); resume with the same "
-                    f"rollout.max_staleness and layout (now {self.cfg.rollout.max_staleness}, {self.placement_key()})")
-            if self.partial is not None:
-                self.partial.restore(pool)
-            else:
-                assert self.partial_async is not None
-                self.partial_async.restore(pool)
-        elif pool is not None:
-            self.log(f"[nrc train] partial rollouts are off: the checkpoint's {len(pool['groups'])} carried-over "
-                     "groups are dropped with their prompts")
-        if shared is None:
-            return
-        regenerate = shared.get("placement") != self.placement_key()
-        own = shared if self.runtime.rank == 0 else async_rollouts.load_pending(step_dir, self.runtime.rank)
-        batches = async_rollouts.restored_batches(shared, own)
-        steps = ", ".join(str(b.step + 1) for b in batches)
-        if self.cfg.rollout.max_staleness == 0:  # synchronous now: every saved batch is stale
-            wait = self.cfg.rollout.stale_policy == "wait"
-            self.log(f"[nrc train] rollout.max_staleness=0: the checkpoint's in-flight rollouts of steps {steps} are "
-                     + ("regenerated with the current weights (rollout.stale_policy=wait)" if wait else
-                        "dropped with their prompts (rollout.stale_policy=drop)"))
-            self._restored = (batches, True) if wait else None
-            return
-        if regenerate:
-            self.log(f"[nrc train] the checkpoint's in-flight rollouts (steps {steps}) were generated under another "
-                     f"engine placement ({shared.get('placement')} -> {self.placement_key()}): regenerating their "
-                     "prompts with the checkpoint's weights (the resumed run is not exact)")
-        else:
-            self.log(f"[nrc train] restored the checkpoint's in-flight rollouts of steps {steps}")
-            if self.placement == "per_dp_group":  # `localize` sends their logprobs from this rank's copy
-                with self._held_lock:
-                    for pending in batches:
-                        if pending.local is not None and self.shares_rollouts:
-                            self._held[(pending.step, 0)] = list(pending.local[0].samples)
-        self._restored = (batches, regenerate)
 
     def close(self) -> None:
         """Stop the async rollout worker and the rollout engine."""

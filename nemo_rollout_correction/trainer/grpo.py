@@ -41,9 +41,13 @@ each sample carries its `policy_version`), and step 7 gathers the weights on the
 push and the generation of batch s + 1 + k behind the engine's running job. k = 0 is the synchronous step above,
 on the same code path.
 
-Who does what: `RolloutFleet` (trainer/fleet.py) steps 2 and 7 and the engines' evaluation;
-`PolicyUpdate` (trainer/policy_update.py) steps 4-6; `StepReport` (trainer/step_report.py) the metrics, the
-review and `metrics.jsonl`; this module the wiring, the step's phases, the run loop and the checkpoints.
+Who does what: `RolloutFleet` (trainer/fleet.py) steps 2 and 7 and the engines' evaluation, with what each
+rollout mode adds (async and partial rollouts' staleness tensors, the refit after a skipped update), its
+row sharing (trainer/row_sharing.py) and a checkpoint's in-flight rollouts (trainer/in_flight.py);
+`prepare_batch` (trainer/step_batch.py) step 3 and the batch tensors (rewritten-history rows, DAPO's overlong
+filter); `PolicyUpdate` (trainer/policy_update.py) steps 4-6; `StepReport` (trainer/step_report.py) the
+metrics, the review and `metrics.jsonl`; this module the wiring, the step's phases (`GrpoTrainer.step`, one
+method each), the run loop and the checkpoints.
 
 Timings of each phase, throughput and every metric are reported to the observer; checkpoints hold
 everything needed for an exact resume (model, optimizer, RNG, sampler position, step, observer state, the mismatch
@@ -63,19 +67,15 @@ import torch
 from nemo_rollout_correction.config.loader import to_dict
 from nemo_rollout_correction.config.redaction import redact_tree
 from nemo_rollout_correction.config.schema import TrainConfig
-from nemo_rollout_correction.core.advantages import grpo_advantages
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
 from nemo_rollout_correction.distributed.runtime import Runtime, barrier
 from nemo_rollout_correction.models.hf_export import export_hf
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import resolve_model_source
-from nemo_rollout_correction.rollout.partial import token_staleness
 from nemo_rollout_correction.trainer import checkpoint as ckpt
 from nemo_rollout_correction.trainer import console, evaluation, preemption, routing_replay
 from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
-from nemo_rollout_correction.trainer.dynamic_sampling import apply_overlong_filter
-from nemo_rollout_correction.trainer.environments import split_rewritten
 from nemo_rollout_correction.trainer.fleet import CollectedRollouts, RolloutFleet
 from nemo_rollout_correction.trainer.gpu_paths import check_gpu_paths
 from nemo_rollout_correction.trainer.mismatch_alert import MismatchAlarm
@@ -83,6 +83,7 @@ from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, T
 from nemo_rollout_correction.trainer.policy_update import Microbatch, PolicyUpdate, Update
 from nemo_rollout_correction.trainer.resume_check import check_resume
 from nemo_rollout_correction.trainer.settings import pad_token_id, tokenize_prompt
+from nemo_rollout_correction.trainer.step_batch import StepBatch, prepare_batch
 from nemo_rollout_correction.trainer.step_report import StepReport, StepTimer
 from nemo_rollout_correction.trainer.tasks import task_from_config
 
@@ -198,7 +199,7 @@ class GrpoTrainer:
             self.report.alarm.load_state_dict(meta["mismatch_alarm"])
         self.step_index = int(meta["step"])
         self.fleet.refit(self.policy)  # the engine started from the Hugging Face files: give it the checkpoint's
-        self.fleet.restore(step_dir)
+        self.fleet.in_flight.restore(step_dir)
         self.log(f"[nrc train] resumed from {step_dir} (step {self.step_index})")
         return meta
 
@@ -214,7 +215,7 @@ class GrpoTrainer:
         """
         step_dir = self.ckpt_dir / f"step_{self.step_index}"
         save_optimizer = self.cfg.checkpoint.save_optimizer
-        in_flight = self.fleet.state()  # taken now, like the weights: the pipeline moves on after the save
+        in_flight = self.fleet.in_flight.state()  # taken now, like the weights: the pipeline moves on after the save
         meta = {
             "step": self.step_index,
             "sampler": self.sampler.state_dict(),
@@ -227,7 +228,7 @@ class GrpoTrainer:
         }
 
         def mark_complete() -> None:  # every rank, once every shard is on disk; meta.json last
-            self.fleet.save_state(step_dir, in_flight)  # ends in a barrier
+            self.fleet.in_flight.save(step_dir, in_flight)  # ends in a barrier
             if self.runtime.is_main:
                 ckpt.write_meta(step_dir, meta)
                 ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
@@ -249,42 +250,37 @@ class GrpoTrainer:
     def step(self) -> dict[str, float]:
         """Run one GRPO step; returns the step's metrics (identical keys on every rank).
 
-        Phases: rollouts (the fleet) -> advantages and batch tensors -> microbatches -> no-grad passes ->
-        updates -> review -> weights to the engines -> report.
+        Phases, each mode's work inside the phase that owns it:
+        1. rollouts (`_collect`): the fleet's batch for this step, its rows' and tokens' staleness with it;
+        2. batch (`prepare_batch`, trainer/step_batch.py): advantages, rewritten-history rows, tensors, overlong filter;
+        3. update (`_update`): mini-/microbatches, no-grad passes, optimizer updates, review; none when DAPO skips;
+        4. refit (`RolloutFleet.sync_weights`): the weights to the engines as the fleet's mode needs them;
+        5. report (`_finish_step`): count the step, its metrics, evaluation, `metrics.jsonl` and the observer.
         """
         timer = StepTimer()
         with timer.phase("step"):
-            collected = self.fleet.collect(self.step_index, self.update.train_rows)
-            timer.record(collected.seconds)
-            rollouts, batch = collected.rollouts, collected.batch
-            if rollouts.warning:
-                self.log(f"[nrc train] step {self.step_index + 1}: {rollouts.warning}")
-            reward_t = torch.tensor(rollouts.task_rewards, dtype=torch.float32)  # the task's reward, for reward/*
-            advantages = grpo_advantages(torch.tensor(rollouts.rewards, dtype=torch.float32), group_size=batch.n,
-                                         normalize_by_std=self.cfg.grpo.normalize_advantages_by_std)
-            review_rewards = reward_t
-            split = split_rewritten(self.cfg, batch)  # rewritten histories: a row per segment
-            if split is not None:  # the trajectory's advantage (and reward, for the review) broadcast to its rows
-                batch, advantages, review_rewards = split[0], advantages[split[1]], reward_t[split[1]]
-            tensors = batch.to_tensors(self.pad_id)
-            tensors["loss_mask"], filter_metrics = apply_overlong_filter(tensors["loss_mask"], batch,
-                                                                         self.fleet.dapo)
-            if self.fleet.pipeline is not None:
-                tensors["staleness"] = torch.tensor([self.step_index - s.policy_version for s in batch.samples])
-            if self.fleet.pipeline is not None or self.fleet.partial is not None:  # per token (rollout/partial.py)
-                tensors["token_staleness"] = token_staleness(tensors["token_versions"], self.step_index)
-            extra = {**rollouts.metrics, **filter_metrics}
-            if rollouts.skip_update:  # no group to learn from: no optimizer step (Adam would still move weights)
-                if self.fleet.pipeline is not None:  # the schedule goes on: version s + 1 (unchanged weights)
-                    with timer.phase("refit"):
-                        self.fleet.sync_weights(self.policy, self.step_index)
-                return self._finish_step(collected, reward_t, [], None, extra, timer)
-            mini_batches = self.update.cut(tensors, advantages)
-            scored, updates = self.update.run(mini_batches, self.step_index, timer.phase)
-            review = self._review(batch, mini_batches, scored, updates, review_rewards, rollouts.records)
-            with timer.phase("refit"):
-                self.fleet.sync_weights(self.policy, self.step_index)
-        return self._finish_step(collected, reward_t, updates, review, extra, timer)
+            collected = self._collect(timer)
+            batch = prepare_batch(collected, self.cfg, pad_id=self.pad_id, dapo=self.fleet.dapo)
+            updates, review = self._update(batch, timer)
+            self.fleet.sync_weights(self.policy, self.step_index, updated=not batch.skip_update, timer=timer.phase)
+        return self._finish_step(collected, batch, updates, review, timer)
+
+    def _collect(self, timer: StepTimer) -> CollectedRollouts:
+        """The step's rollouts from the fleet; their generation seconds go to `timer`, DAPO's warning to the log."""
+        collected = self.fleet.collect(self.step_index, self.update.train_rows)
+        timer.record(collected.seconds)
+        if collected.rollouts.warning:
+            self.log(f"[nrc train] step {self.step_index + 1}: {collected.rollouts.warning}")
+        return collected
+
+    def _update(self, batch: StepBatch, timer: StepTimer) -> tuple[list[Update], StepReview | None]:
+        """The step's optimizer updates (`PolicyUpdate`) and its review; none when DAPO found no group to learn
+        from (no optimizer step: Adam would still move the weights)."""
+        if batch.skip_update:
+            return [], None
+        mini_batches = self.update.cut(batch.tensors, batch.advantages)
+        scored, updates = self.update.run(mini_batches, self.step_index, timer.phase)
+        return updates, self._review(batch.batch, mini_batches, scored, updates, batch.review_rewards, batch.records)
 
     def _review(self, batch: Any, mini_batches: list[list[Microbatch]], scored: Any, updates: list[Update],
                 rewards: torch.Tensor, records: list[PromptRecord]) -> StepReview | None:
@@ -296,15 +292,13 @@ class GrpoTrainer:
             review = self.report.review(self.step_index, batch, mini_batches, scored, updates, rewards, records)
         return broadcast_from_last_stage(review, self.groups)  # type: ignore[no-any-return]
 
-    def _finish_step(self, collected: CollectedRollouts, rewards: torch.Tensor, updates: list[Update],
-                     review: StepReview | None, extra: dict[str, float], timer: StepTimer) -> dict[str, float]:
+    def _finish_step(self, collected: CollectedRollouts, batch: StepBatch, updates: list[Update],
+                     review: StepReview | None, timer: StepTimer) -> dict[str, float]:
         """Count the step, then report its metrics (`metrics.jsonl`, the observer); returns them."""
         self.step_index += 1
-        timings = timer.seconds
-        timings.setdefault("step", sum(timings.values()))  # a skipped update leaves the timer early
-        metrics = {**self.report.metrics(collected.batch, rewards, updates, timings, collected.engine_refit_seconds,
-                                         self.fleet.refit_verified),
-                   **extra, **routing_replay.router_agreement_metrics(self.policy, self.groups)}
+        metrics = {**self.report.metrics(collected.batch, batch.rewards, updates, timer.seconds,
+                                         collected.engine_refit_seconds, self.fleet.refit_verified),
+                   **batch.metrics, **routing_replay.router_agreement_metrics(self.policy, self.groups)}
         if evaluation.evaluates_after(self.cfg, self.step_index):
             metrics |= self.evaluate()
         self.report.publish(self.step_index, metrics, review)

@@ -1,6 +1,6 @@
 """Workers of test_partial_async_gloo.py: async partial rollouts (`AsyncPartialJobs` in the real `RolloutPipeline`)
-with the one engine on rank 0 of a gloo job, driven as `RolloutFleet._take_async` / `sync_weights` / `state` /
-`restore` drive them (trainer/fleet.py, placement rank0).
+with the one engine on rank 0 of a gloo job, driven as `RolloutFleet._take_async` / `sync_weights` and
+`InFlightRollouts.state` / `restore` drive them (trainer/fleet.py, trainer/in_flight.py, placement rank0).
 
 Rank 0 hosts the engine: a deterministic token generator whose logprobs encode its version (so every token's
 version label can be checked against the engine that really sampled it); the other ranks have none. Every rank
@@ -107,7 +107,7 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
     finally:
         pipeline.close()
 
-    # stopped after SPLIT steps: the checkpoint's state (trainer/fleet.py `state` after the pipeline's drain)
+    # stopped after SPLIT steps: the checkpoint's state (trainer/in_flight.py `state` after the pipeline's drain)
     sampler = Sampler()
     jobs = _jobs(VersionedEngine() if is_engine else None, sampler)
     jobs.start(0)

@@ -16,7 +16,7 @@ from nemo_rollout_correction.cli import main
 from nemo_rollout_correction.trainer.fleet import RolloutFleet
 
 
-def _lost_sync(self: RolloutFleet, policy: object, step: int) -> None:
+def _lost_sync(self: RolloutFleet, policy: object, step: int, **options: object) -> None:
     """The refit that never happened."""
 
 

