@@ -71,7 +71,8 @@ def _plain_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     """
     from vllm import LLM, SamplingParams
 
-    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, llm_kwargs
+    from nemo_rollout_correction.rollout.engine_processes import llm_kwargs
+    from nemo_rollout_correction.rollout.options import EngineOptions
 
     kwargs = llm_kwargs(EngineOptions(model_dir=args.model, dtype=args.dtype, max_model_len=512, seed=0), cuda=False)
     kwargs.pop("worker_extension_cls")
@@ -120,12 +121,9 @@ def _ab(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     """Our engine and a plain in-process `vllm.LLM` alive side by side; every variant once per round."""
     from vllm import LLM, SamplingParams
 
-    from nemo_rollout_correction.rollout.vllm_engine import (
-        EngineOptions,
-        SamplingOptions,
-        VllmRolloutEngine,
-        llm_kwargs,
-    )
+    from nemo_rollout_correction.rollout.engine_processes import llm_kwargs
+    from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+    from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
     options = EngineOptions(model_dir=args.model, dtype=args.dtype, max_model_len=512, seed=0)
     ours = VllmRolloutEngine(options)
@@ -175,7 +173,8 @@ def _inproc_threads(args: argparse.Namespace, prompts: list[list[int]]) -> dict[
     the same call from a new thread each time (where torch's OpenMP kernels run slower)."""
     import threading
 
-    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+    from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+    from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
     engine = VllmRolloutEngine(EngineOptions(model_dir=args.model, dtype=args.dtype, max_model_len=512, seed=0,
                                              in_process=True))
@@ -212,7 +211,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+    from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+    from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -27,7 +27,8 @@ def measure(source: str, prompts: int, samples: int, max_tokens: int) -> dict[st
     from nemo_rollout_correction.models.sources import resolve_model_source
     from nemo_rollout_correction.rollout.multi_turn import retokenization_drift
     from nemo_rollout_correction.rollout.multi_turn_loop import chat_observation_encoder, run_multi_turn
-    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+    from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+    from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
     from nemo_rollout_correction.trainer.environments import arithmetic_feedback_env, retokenized_chat_ids
     from nemo_rollout_correction.trainer.settings import tokenize_prompt
     from nemo_rollout_correction.trainer.tasks import build_task

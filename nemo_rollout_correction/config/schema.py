@@ -26,8 +26,8 @@ from nemo_rollout_correction.core.dapo import DapoConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
 from nemo_rollout_correction.models.optimizer import PolicyOptimizerConfig
 from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
+from nemo_rollout_correction.rollout.options import ROLLOUT_DTYPES, RolloutDtype
 from nemo_rollout_correction.rollout.placement import ROLLOUT_PLACEMENTS, RolloutPlacement
-from nemo_rollout_correction.rollout.vllm_engine import ROLLOUT_DTYPES, RolloutDtype
 
 __all__ = [
     "LAUNCHER_NAMES",

@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from nemo_rollout_correction.rollout.multi_turn import EnvState, Trajectory, parse_env_step
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample, SamplingOptions
+from nemo_rollout_correction.rollout.options import SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 
 TURN_SEED_STRIDE = 1 << 32
 """Seed offset between turns (above any step's seeds: `placement.STEP_SEED_STRIDE` times the steps of a run)."""

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from nemo_rollout_correction.core.segments import turn_mismatch_sums
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 
 __all__ = [
     "ContinueRequest",

@@ -21,14 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nemo_rollout_correction.rollout.vllm_engine import (
-    EngineOptions,
-    RolloutBatch,
-    RolloutEngineError,
-    RolloutSample,
-    SamplingOptions,
-    VllmRolloutEngine,
-)
+from nemo_rollout_correction.rollout.errors import RolloutEngineError
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
 REPLAY_PREFIX = "replay:"
 

@@ -36,7 +36,7 @@ from typing import Any, Protocol, TypeVar
 
 from torch import Tensor
 
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.checkpoint import load_data_file
 from nemo_rollout_correction.trainer.data import PromptRecord
 

@@ -37,7 +37,9 @@ from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
 from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.models.policy import MegatronPolicy
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.rollout.options import SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 from nemo_rollout_correction.trainer import audit_probes, routing_replay
 from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.policy_update import shard_tokens

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.dapo import DapoConfig, overlong_filter_mask, overlong_penalty, zero_variance_groups
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.data import PromptRecord
 
 __all__ = [

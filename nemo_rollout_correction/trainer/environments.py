@@ -45,7 +45,8 @@ from nemo_rollout_correction.rollout.multi_turn_loop import (
     chat_observation_encoder,
     run_multi_turn,
 )
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions
+from nemo_rollout_correction.rollout.options import SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch
 from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.env_reward import (  # environment_reward: re-exported (public API here before)
     ENV_REWARD_KEY,

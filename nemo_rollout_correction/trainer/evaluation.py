@@ -29,7 +29,9 @@ import torch
 
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.pass_at_k import pass_at_k_mean
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.rollout.options import SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
 from nemo_rollout_correction.trainer.rewards import score

@@ -52,7 +52,8 @@ from nemo_rollout_correction.rollout.placement import (
     shard_request_seed,
 )
 from nemo_rollout_correction.rollout.replay import open_engine
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, VllmRolloutEngine
+from nemo_rollout_correction.rollout.samples import RolloutBatch
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 from nemo_rollout_correction.trainer import async_rollouts, evaluation, partial_rollouts
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts

@@ -31,7 +31,7 @@ from nemo_rollout_correction.rollout.partial import (
     version_metrics,
 )
 from nemo_rollout_correction.rollout.placement import STEP_SEED_STRIDE, request_seed
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer import metric_names as names
 from nemo_rollout_correction.trainer.checkpoint import load_data_file
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler

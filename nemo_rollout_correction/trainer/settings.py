@@ -8,7 +8,8 @@ from typing import Any
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.runtime import all_gather_object, broadcast_object
 from nemo_rollout_correction.distributed.vocab_parallel import active_filters
-from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, RolloutBatch, RolloutSample, SamplingOptions
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 
 
 def sampling_options(cfg: TrainConfig) -> SamplingOptions:

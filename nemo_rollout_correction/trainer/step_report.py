@@ -25,7 +25,7 @@ from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.losses.step_plan import OBJECTIVE_SUMS
 from nemo_rollout_correction.rollout.multi_turn import multi_turn_counts
 from nemo_rollout_correction.rollout.partial import staleness_metrics_from_sums
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
+from nemo_rollout_correction.rollout.samples import RolloutBatch
 from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.mismatch_alert import MismatchAlarm

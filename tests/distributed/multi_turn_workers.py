@@ -18,7 +18,7 @@ from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.core.segments import Segments
 from nemo_rollout_correction.distributed import ParallelGroups, build_parallel_groups, shard_sequence
 from nemo_rollout_correction.losses import RolloutCorrectedPolicyLoss, StepDenominators
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 
 MAX_TURNS = 3
 WIDTH = 32  # padded sequence length (divisible by 2 * cp)

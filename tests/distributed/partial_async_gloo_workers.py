@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from nemo_rollout_correction.config.loader import load_config
 from nemo_rollout_correction.distributed.tensor_gather import broadcast_object
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.async_rollouts import PendingBatch, RolloutPipeline
 from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions

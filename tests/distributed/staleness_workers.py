@@ -21,7 +21,7 @@ from nemo_rollout_correction.rollout.partial import (
     staleness_mismatch_sums,
     token_staleness,
 )
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 
 TRAINER_VERSION, NUM_LAGS = 6, 4
 

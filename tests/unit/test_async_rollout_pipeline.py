@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.async_rollouts import (
     AsyncRolloutError,
     PendingBatch,

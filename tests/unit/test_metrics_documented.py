@@ -69,7 +69,7 @@ def _trainer_keys() -> set[str]:
     from nemo_rollout_correction.distributed.groups import ParallelGroups
     from nemo_rollout_correction.losses.step_plan import StepPlan, StepResult
     from nemo_rollout_correction.models.optimizer import UpdateResult
-    from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+    from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
     from nemo_rollout_correction.trainer import metric_names
     from nemo_rollout_correction.trainer.async_rollouts import staleness_metrics
     from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler

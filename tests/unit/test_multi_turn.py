@@ -16,7 +16,7 @@ from nemo_rollout_correction.rollout.multi_turn import (
     parse_env_step,
     turn_segments,
 )
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.environments import (
     FEEDBACK_OBSERVATION,

@@ -27,8 +27,9 @@ import torch
 
 from nemo_rollout_correction.rollout.multi_turn import OBSERVATION, EnvState, EnvStep, split_segments
 from nemo_rollout_correction.rollout.multi_turn_loop import run_multi_turn
+from nemo_rollout_correction.rollout.options import SamplingOptions
 from nemo_rollout_correction.rollout.placement import prompt_shard, shard_request_seed
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample, SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.async_rollouts import (
     PendingBatch,
     RolloutPipeline,

@@ -20,7 +20,7 @@ from nemo_rollout_correction.rollout.partial import (
     staleness_mismatch_sums,
     token_staleness,
 )
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.async_rollouts import RolloutPipeline
 from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions

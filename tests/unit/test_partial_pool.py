@@ -24,7 +24,7 @@ from nemo_rollout_correction.rollout.partial import (
     token_version_tensor,
     version_metrics,
 )
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.trainer.checkpoint import load_data_file
 
 EOS = 99

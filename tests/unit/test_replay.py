@@ -8,14 +8,10 @@ import pytest
 import torch
 
 from nemo_rollout_correction.config import ConfigError, load_config
+from nemo_rollout_correction.rollout.errors import RolloutEngineError
+from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
 from nemo_rollout_correction.rollout.replay import ReplayEngine, open_engine, record_call, replay_dir
-from nemo_rollout_correction.rollout.vllm_engine import (
-    EngineOptions,
-    RolloutBatch,
-    RolloutEngineError,
-    RolloutSample,
-    SamplingOptions,
-)
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 
 SAMPLING = SamplingOptions(n=2, max_tokens=4)
 PROMPTS = [[1, 2, 3], [4, 5]]

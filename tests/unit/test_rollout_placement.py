@@ -83,7 +83,7 @@ def test_shard_bounds_are_checked() -> None:
 
 
 def test_rows_shared_without_logprobs_and_routing_are_zero_and_unrouted() -> None:
-    from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample
+    from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 
     routing = torch.arange(4 * 2 * 1, dtype=torch.int16).reshape(4, 2, 1)  # [prompt + response - 1, layers, topk]
     here = RolloutSample(0, [5, 6], [7, 8, 9], [-0.5, -1.0, -1.5], "length", routed_experts=routing)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from nemo_rollout_correction.rollout.generation import RoutingMatcher
 from nemo_rollout_correction.rollout.routing_capture import RoutingRecorder, decode_routing
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch, RolloutSample, RoutingMatcher
+from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 
 
 def _forward(recorder: RoutingRecorder, req_ids: list[str | None], tokens: list[tuple[int, int, int]],

@@ -61,7 +61,8 @@ def test_installed_vllm_032_reads_the_same_source() -> None:
 def test_weight_transfer_engines_take_the_trainers_gpu_tensors() -> None:
     """The trainer gathers the weights onto `staging_device`: the GPU for the IPC refit (no GPU -> CPU -> GPU round
     trip), the host for the file refit."""
-    from nemo_rollout_correction.rollout.vllm_engine import EngineOptions, VllmRolloutEngine
+    from nemo_rollout_correction.rollout.options import EngineOptions
+    from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
     engine = object.__new__(VllmRolloutEngine)  # the property reads the options only; no engine is started
     engine.options = EngineOptions(model_dir="m", distributed_executor_backend="external_launcher")

