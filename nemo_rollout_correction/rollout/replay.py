@@ -114,9 +114,6 @@ class ReplayEngine(VllmRolloutEngine):
         self.refit_seconds.append(seconds)
         return seconds
 
-    def refit_weight_transfer(self, named_tensors: Iterable[tuple[str, Tensor]]) -> float:
-        return self.refit(named_tensors)
-
     def sleep(self) -> None:
         return None
 

@@ -45,7 +45,6 @@ from nemo_rollout_correction.rollout.generation import (
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
 from nemo_rollout_correction.rollout.refit.base import RefitPath
 from nemo_rollout_correction.rollout.refit.choice import choose_refit_path
-from nemo_rollout_correction.rollout.refit.weight_transfer import WeightTransferRefit
 from nemo_rollout_correction.rollout.samples import RolloutBatch
 
 T = TypeVar("T")
@@ -137,12 +136,6 @@ class VllmRolloutEngine:
         `verify_seconds` the check.
         """
         return self._refit(self.refit_path, named_tensors, staging_dir)
-
-    def refit_weight_transfer(self, named_tensors: Iterable[tuple[str, Tensor]]) -> float:
-        """`refit` through vLLM's weight-transfer API (`WeightTransferRefit`, GPU, UNVERIFIED) whatever path the
-        options chose; `refit` takes it on its own for `distributed_executor_backend="external_launcher"`.
-        Raises RolloutEngineError on CPU. Returns the seconds taken."""
-        return self._refit(WeightTransferRefit(), named_tensors, None)
 
     def _refit(self, path: RefitPath, named_tensors: Iterable[tuple[str, Tensor]], staging_dir: str | None) -> float:
         seconds = path.push(self, named_tensors, staging_dir=staging_dir)

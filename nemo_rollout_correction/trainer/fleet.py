@@ -397,10 +397,7 @@ class RolloutFleet:
     def push_weights(self, weights: dict[str, Tensor]) -> float:
         """Load `weights` into this rank's engine (no collectives); returns the seconds taken."""
         assert self.engine is not None, "push_weights runs on an engine rank"
-        if self.engine.options.distributed_executor_backend == "external_launcher":  # GPU per_dp_group (unverified)
-            self.push_seconds = self.engine.refit_weight_transfer(weights.items())
-        else:
-            self.push_seconds = self.engine.refit(weights.items())
+        self.push_seconds = self.engine.refit(weights.items())  # the engine's refit path (rollout/refit/choice.py)
         return self.push_seconds
 
     # ---- evaluation -------------------------------------------------------------------------------------

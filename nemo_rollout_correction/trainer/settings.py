@@ -45,7 +45,7 @@ def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None, *
             tensor_parallel_size=cfg.policy.tensor_parallel_size,
             distributed_executor_backend="external_launcher",
             enable_sleep_mode=True,
-            # the worker side of `VllmRolloutEngine.refit_weight_transfer` (CUDA IPC from the colocated trainer)
+            # the worker side of `WeightTransferRefit` (rollout/refit/; CUDA IPC from the colocated trainer)
             extra={"weight_transfer_config": {"backend": "ipc"},
                    **({"data_parallel_size": data_parallel_size} if data_parallel_size > 1 else {})},
         )

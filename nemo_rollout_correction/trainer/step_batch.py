@@ -21,7 +21,7 @@ from torch import Tensor
 
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.advantages import grpo_advantages
-from nemo_rollout_correction.rollout.vllm_engine import RolloutBatch
+from nemo_rollout_correction.rollout.samples import RolloutBatch
 from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter
 from nemo_rollout_correction.trainer.environments import split_rewritten

@@ -7,7 +7,8 @@ code path the `rollout.max_staleness=0` test must equal), e.g. main before mergi
 Needed when a change to the synchronous step (optimizer, numerics, metrics) lands: the recorded values then
 change beyond fp32 rounding for a legitimate reason. The tests compare with this file exactly only where values are
 exact across machines (tokens, rewards, counts) and to fp32 rounding elsewhere (`nrc_cli.assert_matches_recorded`),
-since another CPU's kernels round otherwise; `ci/test.sh` reruns them under AVX2 dispatch to prove it. Recording from the tree under test would make the test unable to fail. Once no
+since another CPU's kernels round otherwise; `ci/test.sh` reruns them under AVX2 dispatch to prove it.
+Recording from the tree under test would make the test unable to fail. Once no
 commit without async rollouts has the new numerics (e.g. the fused CPU attention), record from a separate
 checkout of the commit that brings them, at `rollout.max_staleness=0`, after the test passed on its parent with
 the previous recording, and say so in the argument (it lands in `recorded_from`):

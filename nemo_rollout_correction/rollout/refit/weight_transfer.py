@@ -30,7 +30,7 @@ class WeightTransferRefit(RefitPath):
     def push(self, engine: RefitTarget, named_tensors: Iterable[tuple[str, Tensor]], *,
              staging_dir: str | None = None) -> float:
         if not torch.cuda.is_available():
-            raise RolloutEngineError("refit_weight_transfer needs CUDA (vLLM's IPC weight transfer); on CPU the "
+            raise RolloutEngineError("the weight-transfer refit needs CUDA (vLLM's IPC weight transfer); on CPU the "
                                      "engine refits through a shared buffer (refit)")
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
