@@ -60,13 +60,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
+    from nemo_rollout_correction.harness.settings import tokenize_prompt
     from nemo_rollout_correction.models.policy import MegatronPolicy
     from nemo_rollout_correction.models.sources import resolve_model_source
     from nemo_rollout_correction.rollout.multi_turn_loop import chat_observation_encoder, run_multi_turn
     from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
     from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-    from nemo_rollout_correction.trainer.settings import tokenize_prompt
-    from nemo_rollout_correction.trainer.tasks import build_task
+    from nemo_rollout_correction.tasks.builtin import build_task
 
     k, t = args.turns, args.turn_tokens
     hf_dir = resolve_model_source(args.model)

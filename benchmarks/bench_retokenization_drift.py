@@ -24,14 +24,14 @@ import os
 def measure(source: str, prompts: int, samples: int, max_tokens: int) -> dict[str, float]:
     from transformers import AutoTokenizer
 
+    from nemo_rollout_correction.harness.settings import tokenize_prompt
     from nemo_rollout_correction.models.sources import resolve_model_source
     from nemo_rollout_correction.rollout.multi_turn import retokenization_drift
     from nemo_rollout_correction.rollout.multi_turn_loop import chat_observation_encoder, run_multi_turn
     from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
     from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-    from nemo_rollout_correction.trainer.environments import arithmetic_feedback_env, retokenized_chat_ids
-    from nemo_rollout_correction.trainer.settings import tokenize_prompt
-    from nemo_rollout_correction.trainer.tasks import build_task
+    from nemo_rollout_correction.tasks.builtin import build_task
+    from nemo_rollout_correction.tasks.environments import arithmetic_feedback_env, retokenized_chat_ids
 
     hf_dir = resolve_model_source(source)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.reward_pool import RewardPool
-from nemo_rollout_correction.trainer.rewards import score
+from nemo_rollout_correction.tasks.prompts import PromptRecord
+from nemo_rollout_correction.tasks.reward_pool import RewardPool
+from nemo_rollout_correction.tasks.rewards import score
 
 
 def main() -> int:

@@ -61,8 +61,8 @@ def setup_trl_venv(venv: Path) -> None:
 def step_prompts(num_steps: int) -> list[str]:
     """Our default run's prompts in the order `nrc train` draws them (task length_target, run.seed 0)."""
     from nemo_rollout_correction.config.loader import load_config
-    from nemo_rollout_correction.trainer.data import PromptSampler
-    from nemo_rollout_correction.trainer.tasks import task_from_config
+    from nemo_rollout_correction.tasks.builtin import task_from_config
+    from nemo_rollout_correction.tasks.prompts import PromptSampler
 
     cfg = load_config([])
     sampler = PromptSampler(task_from_config(cfg).records, SETTINGS["prompts_per_step"], seed=cfg.run.seed)

@@ -2,7 +2,7 @@
 
 The public names below are imported on first use (PEP 562 `__getattr__`), not when the package is: importing
 any submodule imports this package first, and a light submodule (the multi-turn reward a spawned reward worker
-loads, trainer/env_reward.py) must not pay for torch.
+loads, tasks/env_reward.py) must not pay for torch.
 """
 
 from __future__ import annotations

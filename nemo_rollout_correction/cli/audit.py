@@ -2,10 +2,10 @@
 
 Uses the same configuration as `nrc train` (model, rollout engine and sampling, task prompts, policy
 dtype and parallelism, the `audit:` section; `audit.vocab_top_k` and `audit.layer_sequences` size the
-whole-distribution and per-layer probes of trainer/audit_probes.py). With no arguments it audits the
+whole-distribution and per-layer probes of audit/probes.py). With no arguments it audits the
 embedded default model (SmolLM2-135M-Instruct) on the default task. The report is printed; it is also logged
 to MLflow when `tracking.tracking_uri` is set, and written as JSON with `--json PATH`. `--multi-turn` reports
-instead the token ids that re-tokenizing multi-turn chat text changes (trainer/audit_multi_turn.py).
+instead the token ids that re-tokenizing multi-turn chat text changes (audit/multi_turn.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from nemo_rollout_correction.trainer.console import Console, set_current
 def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config_dir: str | None = None,
                   multi_turn: bool = False) -> int:
     """Run the audit; returns the exit code (2: bad configuration, 3: tracking unreachable, 1: failure).
-    `multi_turn`: the re-tokenization drift of multi-turn trajectories instead (trainer/audit_multi_turn.py)."""
+    `multi_turn`: the re-tokenization drift of multi-turn trajectories instead (audit/multi_turn.py)."""
     try:
         cfg = load_config(list(overrides), config_dir)
     except ConfigError as exc:
@@ -43,8 +43,8 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config
     set_current(console)
     if multi_turn:
         return _multi_turn_audit(cfg, json_path, console)
+    from nemo_rollout_correction.audit.mismatch import format_comparison, format_report, run_audit
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
-    from nemo_rollout_correction.trainer.audit import format_comparison, format_report, run_audit
 
     runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
                            cfg.policy.context_parallel_size)
@@ -96,7 +96,7 @@ def run_audit_cli(overrides: Sequence[str], json_path: str | None = None, config
 
 def _multi_turn_audit(cfg: Any, json_path: str | None, console: Console) -> int:
     """`nrc audit --multi-turn`: one process, the engine only (no trainer, no MLflow run)."""
-    from nemo_rollout_correction.trainer.audit_multi_turn import format_multi_turn_report, run_multi_turn_audit
+    from nemo_rollout_correction.audit.multi_turn import format_multi_turn_report, run_multi_turn_audit
 
     try:
         report = run_multi_turn_audit(cfg, log=console.print)

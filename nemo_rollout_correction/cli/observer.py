@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.harness import metric_names as mn
 from nemo_rollout_correction.tracking import MlflowTracker
 from nemo_rollout_correction.tracking.review import RewardHistory, SequenceReview, TokenReview, log_review_artifacts
-from nemo_rollout_correction.trainer import metric_names as mn
 from nemo_rollout_correction.trainer.observer import StepReview
 
 

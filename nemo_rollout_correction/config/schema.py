@@ -290,7 +290,7 @@ class TaskConfig:
     max_operand: int = _f(10, "arithmetic: operands are drawn from [0, max_operand].")
     target_length: int = _f(24, "length_target: the response length (tokens) that earns the full reward.")
     use_chat_template: bool = _f(True, "Wrap prompts in the tokenizer's chat template when it has one.")
-    # -- rewards off the critical path (trainer/reward_pool.py) --
+    # -- rewards off the critical path (tasks/reward_pool.py) --
     reward_workers: int = _f(0, "Reward processes: 0 scores in the trainer process; N >= 1 scores each completion "
                              "in a pool of N spawned processes (the reward must be loadable there; docs/tasks.md).")
     reward_timeout_s: float = _f(60.0, "With reward_workers >= 1: seconds one reward call may take before its "
@@ -300,7 +300,7 @@ class TaskConfig:
         if self.name == "dataset" and not self.dataset_path:
             _fail("task.dataset_path", self.dataset_path,
                   "task.name=dataset needs a file: set task.dataset_path=/path/to/prompts.jsonl")
-        # 'pkg.module:callable', 'path/to/file.py:callable' or a builtin reward name (trainer/rewards.py)
+        # 'pkg.module:callable', 'path/to/file.py:callable' or a builtin reward name (tasks/rewards.py)
         if self.reward_fn is not None and not (
             self.reward_fn in ("arithmetic", "length_target")
             or re.fullmatch(r"(?:[\w.]+|\S+\.py):[\w.]+", self.reward_fn)
@@ -488,7 +488,7 @@ class AuditConfig:
     trainer_dtypes: list[str] = _f([], "Trainer dtypes to compare on the same rollouts; empty: model.dtype.")
     lm_head_fp32: list[bool] = _f([], "policy.lm_head_fp32 values to compare under non-fp32 trainers; empty: "
                                   "policy.lm_head_fp32.")
-    # ---- distributions and layers (issue 24; trainer/audit_probes.py) ----
+    # ---- distributions and layers (issue 24; audit/probes.py) ----
     vocab_top_k: int = _f(20, "Engine prompt logprobs per position for the TV/KL of whole distributions: -1 the "
                           "whole vocabulary (exact), k > 0 the top k + a rest bucket (lower bounds), 0 off.")
     layer_sequences: int = _f(4, "Sequences run through the trainer and a transformers forward for the per-layer "

@@ -51,7 +51,7 @@ class EnvState:
     `scratch`, which persists across the trajectory's turns).
 
     Attributes:
-        record: the prompt record (`trainer.data.PromptRecord`: `.prompt`, `.answer`, `.metadata`).
+        record: the prompt record (`tasks.prompts.PromptRecord`: `.prompt`, `.answer`, `.metadata`).
         turn: index of the turn just generated (0 for the first).
         turn_texts: the decoded text of every turn so far (engine text, for reading only: never re-tokenized).
         observations: the observations appended so far, as the environment returned them.

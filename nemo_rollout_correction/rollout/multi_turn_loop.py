@@ -13,7 +13,7 @@ segment of the trajectory (`Trajectory.rewrite`, `RolloutSample.segments`; docs/
 
 A trajectory ends when the environment says `done`, after `max_turns` turns, or when the next turn would not fit
 in `max_model_len` (its observation is then not appended). Its reward is the sum of the rewards the environment
-returned (the trainer's reward function reads it from `record.metadata["env_reward"]`, trainer/environments.py).
+returned (the trainer's reward function reads it from `record.metadata["env_reward"]`, tasks/environments.py).
 
 Seeds: turn 0 uses the call's seeds (`VllmRolloutEngine.generate`: sample `i` of the call gets `seed + i`);
 turn `k >= 1` seeds trajectory `i` (its index among the call's samples) with `seed + k * TURN_SEED_STRIDE + i`,

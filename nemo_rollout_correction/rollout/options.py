@@ -1,7 +1,7 @@
 """How to start the rollout engine (`EngineOptions`) and how to sample from it (`SamplingOptions`).
 
 Both are plain frozen dataclasses with a `validate()` that names the bad option; `rollout.*` in the config
-(trainer/settings.py) fills them. How `EngineOptions` becomes vLLM's engine arguments: `engine_processes.llm_kwargs`.
+(harness/settings.py) fills them. How `EngineOptions` becomes vLLM's engine arguments: `engine_processes.llm_kwargs`.
 """
 
 from __future__ import annotations

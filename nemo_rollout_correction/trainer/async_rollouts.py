@@ -37,8 +37,8 @@ from typing import Any, Protocol, TypeVar
 from torch import Tensor
 
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 from nemo_rollout_correction.trainer.checkpoint import load_data_file
-from nemo_rollout_correction.trainer.data import PromptRecord
 
 __all__ = [
     "AsyncRolloutError",

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nemo_rollout_correction.config.redaction import redact_text
-from nemo_rollout_correction.trainer import metric_names as mn
+from nemo_rollout_correction.harness import metric_names as mn
 
 __all__ = ["Console", "RunSummary", "StepProgress", "current", "set_current"]
 

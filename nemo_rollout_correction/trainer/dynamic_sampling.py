@@ -33,7 +33,7 @@ from torch import Tensor
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.dapo import DapoConfig, overlong_filter_mask, overlong_penalty, zero_variance_groups
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
-from nemo_rollout_correction.trainer.data import PromptRecord
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 
 __all__ = [
     "DapoOptions",
@@ -49,7 +49,7 @@ GenerateAndScore = Callable[[list[PromptRecord], int], tuple[RolloutBatch, Seque
 
 
 class PromptSource(Protocol):
-    """What the refill loop needs from :class:`~nemo_rollout_correction.trainer.data.PromptSampler`."""
+    """What the refill loop needs from :class:`~nemo_rollout_correction.tasks.prompts.PromptSampler`."""
 
     def next_batch(self) -> list[PromptRecord]:
         """The next prompts, advancing the (checkpointed) state."""

@@ -29,13 +29,13 @@ import torch
 
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.pass_at_k import pass_at_k_mean
+from nemo_rollout_correction.harness import metric_names as mn
 from nemo_rollout_correction.rollout.options import SamplingOptions
 from nemo_rollout_correction.rollout.samples import RolloutBatch
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-from nemo_rollout_correction.trainer import metric_names as mn
-from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
-from nemo_rollout_correction.trainer.rewards import score
-from nemo_rollout_correction.trainer.tasks import Task
+from nemo_rollout_correction.tasks.builtin import Task
+from nemo_rollout_correction.tasks.prompts import PromptRecord, load_prompt_dataset
+from nemo_rollout_correction.tasks.rewards import score
 
 # Request seeds of evaluation: far from the training steps' seeds (seed + step * 100_003 + i), below 2**31.
 _EVAL_SEED_OFFSET = 1_999_999_973

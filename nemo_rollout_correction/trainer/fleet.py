@@ -42,6 +42,7 @@ from torch import Tensor
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.pipeline import gather_weights_to_first_stage
 from nemo_rollout_correction.distributed.runtime import Runtime
+from nemo_rollout_correction.harness.settings import engine_options, sampling_options
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.rollout.partial import token_staleness
 from nemo_rollout_correction.rollout.placement import (
@@ -54,20 +55,19 @@ from nemo_rollout_correction.rollout.placement import (
 from nemo_rollout_correction.rollout.replay import open_engine
 from nemo_rollout_correction.rollout.samples import RolloutBatch
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-from nemo_rollout_correction.trainer import async_rollouts, evaluation, partial_rollouts
-from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
-from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
-from nemo_rollout_correction.trainer.environments import (
+from nemo_rollout_correction.tasks.builtin import Task
+from nemo_rollout_correction.tasks.environments import (
     check_multi_turn_supported,
     generate_multi_turn,
     trajectory_train_rows,
 )
+from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
+from nemo_rollout_correction.tasks.rewards import score
+from nemo_rollout_correction.trainer import async_rollouts, evaluation, partial_rollouts
+from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
 from nemo_rollout_correction.trainer.in_flight import InFlightRollouts
 from nemo_rollout_correction.trainer.policy_update import PhaseTimer
-from nemo_rollout_correction.trainer.rewards import score
 from nemo_rollout_correction.trainer.row_sharing import RowSharing, TrainRows
-from nemo_rollout_correction.trainer.settings import engine_options, sampling_options
-from nemo_rollout_correction.trainer.tasks import Task
 
 __all__ = ["CollectedRollouts", "RolloutFleet"]
 
@@ -126,7 +126,7 @@ class RolloutFleet:
         self.cfg, self.runtime, self.groups, self.log = cfg, runtime, runtime.groups, log
         self.hf_dir = hf_dir
         self.sampler, self.tokenize, self.reward_fn = sampler, tokenize, task.reward_fn
-        self.environment = task.environment  # multi-turn (trainer/environments.py); None: single-turn
+        self.environment = task.environment  # multi-turn (tasks/environments.py); None: single-turn
         if self.environment is not None:  # not yet wired for multi-turn (docs/multi_turn.md, "Not done")
             check_multi_turn_supported(cfg)
         self._tokenizer: Any = None  # multi-turn: observation text -> ids, loaded on the engine rank
@@ -261,7 +261,7 @@ class RolloutFleet:
     def _generate_multi_turn(self, records: list[PromptRecord], prompts: list[list[int]],
                              seed: int) -> tuple[RolloutBatch, list[PromptRecord]]:
         """This engine's multi-turn trajectories (rollout/multi_turn_loop.py) and each sample's record with its
-        environment reward (trainer/environments.py)."""
+        environment reward (tasks/environments.py)."""
         assert self.engine is not None and self.environment is not None
         if self._tokenizer is None:
             from transformers import AutoTokenizer

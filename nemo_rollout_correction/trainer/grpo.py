@@ -69,23 +69,24 @@ from nemo_rollout_correction.config.redaction import redact_tree
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
 from nemo_rollout_correction.distributed.runtime import Runtime, barrier
+from nemo_rollout_correction.harness import routing_replay
+from nemo_rollout_correction.harness.settings import pad_token_id, tokenize_prompt
 from nemo_rollout_correction.models.hf_export import export_hf
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import resolve_model_source
+from nemo_rollout_correction.tasks.builtin import task_from_config
+from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer import checkpoint as ckpt
-from nemo_rollout_correction.trainer import console, evaluation, preemption, routing_replay
+from nemo_rollout_correction.trainer import console, evaluation, preemption
 from nemo_rollout_correction.trainer.console import StepProgress
-from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.fleet import CollectedRollouts, RolloutFleet
 from nemo_rollout_correction.trainer.gpu_paths import check_gpu_paths
 from nemo_rollout_correction.trainer.mismatch_alert import MismatchAlarm
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
 from nemo_rollout_correction.trainer.policy_update import Microbatch, PolicyUpdate, Update
 from nemo_rollout_correction.trainer.resume_check import check_resume
-from nemo_rollout_correction.trainer.settings import pad_token_id, tokenize_prompt
 from nemo_rollout_correction.trainer.step_batch import StepBatch, prepare_batch
 from nemo_rollout_correction.trainer.step_report import StepReport, StepTimer
-from nemo_rollout_correction.trainer.tasks import task_from_config
 
 
 def _progress(message: str) -> None:

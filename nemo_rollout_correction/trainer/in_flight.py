@@ -18,8 +18,8 @@ import torch
 
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.runtime import Runtime, barrier
+from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer import async_rollouts, partial_rollouts
-from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.row_sharing import RowSharing
 
 __all__ = ["InFlightRollouts"]

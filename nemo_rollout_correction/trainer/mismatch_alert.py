@@ -47,7 +47,7 @@ from typing import Any
 
 from nemo_rollout_correction.config.mismatch_alert import ALERT_THRESHOLDS, MismatchAlertConfig
 from nemo_rollout_correction.distributed.runtime import any_rank
-from nemo_rollout_correction.trainer import metric_names as mn
+from nemo_rollout_correction.harness import metric_names as mn
 
 __all__ = ["ALERT_METRIC", "FLOORS", "Alert", "MismatchAlarm", "MismatchAlarmError", "floor_for", "lag_values",
            "watched_values"]

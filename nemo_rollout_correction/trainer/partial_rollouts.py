@@ -23,6 +23,7 @@ from torch import Tensor
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.runtime import Runtime
 from nemo_rollout_correction.distributed.tensor_gather import broadcast_object
+from nemo_rollout_correction.harness import metric_names as names
 from nemo_rollout_correction.rollout.partial import (
     ContinueRequest,
     PartialPool,
@@ -32,11 +33,10 @@ from nemo_rollout_correction.rollout.partial import (
 )
 from nemo_rollout_correction.rollout.placement import STEP_SEED_STRIDE, request_seed
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
-from nemo_rollout_correction.trainer import metric_names as names
+from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
+from nemo_rollout_correction.tasks.rewards import score
 from nemo_rollout_correction.trainer.checkpoint import load_data_file
-from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
-from nemo_rollout_correction.trainer.rewards import score
 
 __all__ = ["AsyncPartialJobs", "LocalGenerator", "PartialRollouts", "SharedGenerator", "detokenizer", "load_state",
            "save_state", "state_file"]

@@ -41,9 +41,11 @@ from nemo_rollout_correction.core.devices import tensor_fields_to
 from nemo_rollout_correction.core.loglinear import loglinear_alpha, loglinear_error_partials, loglinear_old_logprobs
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
 from nemo_rollout_correction.core.segments import Segments, turn_mismatch_sums
-from nemo_rollout_correction.distributed.context_parallel import shard_next_token_batch
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
+from nemo_rollout_correction.harness import routing_replay
+from nemo_rollout_correction.harness.scoring import score_microbatches, shard_tokens
+from nemo_rollout_correction.harness.settings import replay_options
 from nemo_rollout_correction.losses.rollout_corrected_pg import RolloutCorrectedPolicyLoss
 from nemo_rollout_correction.losses.step_plan import (
     DenominatorStrategy,
@@ -59,9 +61,6 @@ from nemo_rollout_correction.models.optimizer import OptimizerSettings, UpdateRe
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.schedule import forward_microbatches, run_microbatches
 from nemo_rollout_correction.rollout.partial import max_token_staleness, staleness_mismatch_sums
-from nemo_rollout_correction.trainer import routing_replay
-from nemo_rollout_correction.trainer.scoring import score_microbatches
-from nemo_rollout_correction.trainer.settings import replay_options
 
 __all__ = [
     "Microbatch",
@@ -69,10 +68,8 @@ __all__ = [
     "PhaseTimer",
     "PolicyUpdate",
     "Scored",
-    "TokenShard",
     "Update",
     "first_loss_position",
-    "shard_tokens",
     "train_rows",
 ]
 
@@ -138,29 +135,6 @@ class Update:
     applied: UpdateResult
     passes: tuple[MicrobatchPass, ...] = ()
     reused_old_logprobs: bool = False
-
-
-@dataclass(frozen=True)
-class TokenShard:
-    """This CP rank's share of a microbatch (`shard_tokens`): `input_ids` `[rows, padded // cp]`, and with
-    context parallelism `labels` (next-token ids of the held positions) and `position_ids` `[padded // cp]`;
-    `tokens` the per-token tensors cut the same way (`[rows, padded // cp]`)."""
-
-    input_ids: Tensor
-    labels: Tensor | None
-    position_ids: Tensor | None
-    tokens: dict[str, Tensor]
-
-
-def shard_tokens(input_ids: Tensor, tokens: dict[str, Tensor], groups: ParallelGroups, *, pad_id: int) -> TokenShard:
-    """This CP rank's tokens of every row of a microbatch (`distributed.context_parallel.shard_next_token_batch`:
-    Megatron's load-balanced layout, next-token labels cut from the full sequence first); the microbatch as it is
-    without context parallelism. Shared by the trainer's microbatches and the audit's re-scoring, so both cut
-    the same way."""
-    if groups.cp_size == 1:
-        return TokenShard(input_ids, None, None, tokens)
-    shard = shard_next_token_batch(input_ids, tokens, groups.cp_size, groups.cp_rank, pad_id=pad_id)
-    return TokenShard(shard.input_ids, shard.labels, shard.position_ids, dict(shard.tokens))
 
 
 def first_loss_position(loss_mask: Tensor) -> int:

@@ -22,8 +22,8 @@ from typing import Any
 from torch import Tensor
 
 from nemo_rollout_correction.distributed.runtime import Runtime, all_gather_object, recv_object, send_object
+from nemo_rollout_correction.harness.exchange import broadcast_rollouts, gather_rollouts
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
-from nemo_rollout_correction.trainer.settings import broadcast_rollouts, gather_rollouts
 
 __all__ = ["RowSharing", "TrainRows"]
 

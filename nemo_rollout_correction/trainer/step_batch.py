@@ -22,9 +22,9 @@ from torch import Tensor
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.advantages import grpo_advantages
 from nemo_rollout_correction.rollout.samples import RolloutBatch
-from nemo_rollout_correction.trainer.data import PromptRecord
+from nemo_rollout_correction.tasks.environments import split_rewritten
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter
-from nemo_rollout_correction.trainer.environments import split_rewritten
 from nemo_rollout_correction.trainer.fleet import CollectedRollouts
 
 __all__ = ["StepBatch", "prepare_batch"]

@@ -3,7 +3,7 @@
 What it owns: the step's timer (`StepTimer`), the metric values built from the step's records (the rollouts,
 the rewards, the `Update`s of `trainer/policy_update.py`, the engines' refit seconds), the per-sequence review
 the observer plots (`StepReview`), the `metrics.jsonl` file and the calls to the observer. Metric names are the
-constants of `trainer/metric_names.py`. It touches no model, optimizer or engine: every input is handed to it.
+constants of `harness/metric_names.py`. It touches no model, optimizer or engine: every input is handed to it.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from torch import Tensor
 from nemo_rollout_correction.core.sequence_stats import sequence_mean_k3
 from nemo_rollout_correction.distributed.context_parallel import gather_cp_tokens
 from nemo_rollout_correction.distributed.groups import ParallelGroups
+from nemo_rollout_correction.harness import metric_names as mn
+from nemo_rollout_correction.harness.scoring import sequence_log_ratios
 from nemo_rollout_correction.losses.step_plan import OBJECTIVE_SUMS
 from nemo_rollout_correction.rollout.multi_turn import multi_turn_counts
 from nemo_rollout_correction.rollout.partial import staleness_metrics_from_sums
 from nemo_rollout_correction.rollout.samples import RolloutBatch
-from nemo_rollout_correction.trainer import metric_names as mn
-from nemo_rollout_correction.trainer.data import PromptRecord
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 from nemo_rollout_correction.trainer.mismatch_alert import MismatchAlarm
 from nemo_rollout_correction.trainer.observer import StepReview, TrainObserver
 from nemo_rollout_correction.trainer.policy_update import Microbatch, Scored, Update
-from nemo_rollout_correction.trainer.scoring import sequence_log_ratios
 
 __all__ = ["PHASES", "StepReport", "StepTimer"]
 

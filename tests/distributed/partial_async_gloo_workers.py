@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from nemo_rollout_correction.config.loader import load_config
 from nemo_rollout_correction.distributed.tensor_gather import broadcast_object
+from nemo_rollout_correction.harness.exchange import broadcast_rollouts
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 from nemo_rollout_correction.trainer.async_rollouts import PendingBatch, RolloutPipeline
-from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions
 from nemo_rollout_correction.trainer.partial_rollouts import AsyncPartialJobs
-from nemo_rollout_correction.trainer.settings import broadcast_rollouts
 
 N, PROMPTS, MAX_NEW, BUDGET, STEPS, SPLIT = 2, 2, 14, 4, 6, 2
 

@@ -50,7 +50,7 @@ def batch(seed: int = 0) -> dict[str, Tensor]:
 def metrics(groups: ParallelGroups, rows: Tensor) -> dict[str, float]:
     """This rank's rows, cut as `PolicyUpdate._microbatches` cuts them (to the longest row, then `shard_tokens`),
     summed per staleness and reduced over dp x cp."""
-    from nemo_rollout_correction.trainer.policy_update import shard_tokens
+    from nemo_rollout_correction.harness.scoring import shard_tokens
 
     data = batch()
     lengths = data["prompt_lengths"][rows] + data["response_lengths"][rows]

@@ -10,9 +10,10 @@ from typing import Any
 import dist_harness
 import pytest
 import staleness_workers as sw
+from default_lane import require
 
 pytestmark = pytest.mark.distributed
-pytest.importorskip("megatron.core", reason="the trainer's CP cut lives in trainer/policy_update.py")
+require("megatron.core", "megatron")
 
 
 @pytest.fixture(scope="module")

@@ -310,7 +310,7 @@ def test_replay_arguments() -> None:
     assert SamplingReplay.create(1.0, 0, None, vocab_size=10).top_k is None
     assert SamplingReplay.create(1.0, 10, None, vocab_size=10).top_k is None  # k >= vocab keeps all
     assert SamplingReplay.create(0.5, 3, 0.9, vocab_size=10) == SamplingReplay(0.5, 3, 0.9)
-    # The one "disabled filter" rule, shared with the trainer's replay options (trainer/settings.py).
+    # The one "disabled filter" rule, shared with the trainer's replay options (harness/settings.py).
     assert active_filters(-1, 1.0) == active_filters(0, None) == (None, None)
     assert active_filters(3, 0.9) == (3, 0.9)
     for bad in ({"temperature": 0.0}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": -0.1},

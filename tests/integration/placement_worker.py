@@ -30,9 +30,9 @@ def main(out_dir: str, overrides: list[str]) -> None:
 
     from nemo_rollout_correction.config import load_config
     from nemo_rollout_correction.distributed.runtime import barrier, init_runtime, shutdown_runtime
+    from nemo_rollout_correction.harness.scoring import score_microbatches
     from nemo_rollout_correction.rollout.samples import RolloutBatch
     from nemo_rollout_correction.trainer.grpo import GrpoTrainer
-    from nemo_rollout_correction.trainer.scoring import score_microbatches
 
     cfg = load_config(overrides)
     runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,

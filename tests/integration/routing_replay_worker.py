@@ -37,10 +37,10 @@ def worker(rank: int, world_size: int, hf_dir: str, microbatches: list[torch.Ten
 
     from nemo_rollout_correction.distributed.groups import ParallelGroups
     from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
+    from nemo_rollout_correction.harness.routing_replay import attach_microbatch, router_agreement_metrics
     from nemo_rollout_correction.models.megatron_cpu import patch_cuda_for_cpu
     from nemo_rollout_correction.models.optimizer import OptimizerSettings, build_policy_optimizer
     from nemo_rollout_correction.models.policy import MegatronPolicy
-    from nemo_rollout_correction.trainer.routing_replay import attach_microbatch, router_agreement_metrics
 
     patch_cuda_for_cpu()
     ps.initialize_model_parallel(context_parallel_size=cp, pipeline_model_parallel_size=world_size // cp)

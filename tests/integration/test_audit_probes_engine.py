@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180
 
 
 def test_audit_reports_whole_distributions_first_token_and_layers(megatron_runtime: Any, tmp_path: Path) -> None:
+    from nemo_rollout_correction.audit.mismatch import format_report, run_audit
     from nemo_rollout_correction.config import load_config
-    from nemo_rollout_correction.trainer.audit import format_report, run_audit
 
     cfg = load_config(["model=tiny_llama", "audit.num_prompts=4", "rollout.num_samples_per_prompt=4",
                        "rollout.max_new_tokens=16", "audit.vocab_top_k=-1", "audit.layer_sequences=4",

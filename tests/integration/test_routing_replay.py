@@ -29,11 +29,11 @@ require("vllm", "cpu")
 
 import tiny_families
 
+from nemo_rollout_correction.audit.mismatch import generate, logprob_diff, rescore, routing_report
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import tiny_llama_dir
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-from nemo_rollout_correction.trainer.audit import generate, logprob_diff, rescore, routing_report
 
 pytestmark = [pytest.mark.integration]
 
@@ -133,8 +133,8 @@ def _single_groups() -> Any:
 
 
 def test_audit_r3_lowers_the_bf16_mismatch(megatron_runtime: Any, moe_dir: Path, tmp_path: Path) -> None:
+    from nemo_rollout_correction.audit.mismatch import format_report, run_audit
     from nemo_rollout_correction.config import load_config
-    from nemo_rollout_correction.trainer.audit import format_report, run_audit
 
     cfg = load_config([f"model.source={moe_dir}", "rollout.dtype=bfloat16", "model.dtype=float32",
                        "rollout.routing_replay=r3", "audit.num_prompts=8", "rollout.num_samples_per_prompt=4",

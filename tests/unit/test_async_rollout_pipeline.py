@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 from nemo_rollout_correction.trainer.async_rollouts import (
     AsyncRolloutError,
     PendingBatch,
     RolloutPipeline,
     staleness_metrics,
 )
-from nemo_rollout_correction.trainer.data import PromptRecord
 
 N = 2
 

@@ -1,4 +1,4 @@
-"""`nrc audit`'s distribution probe math (trainer/audit_probes.py) against direct computations."""
+"""`nrc audit`'s distribution probe math (audit/probes.py) against direct computations."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from nemo_rollout_correction.trainer.audit_probes import (
+from nemo_rollout_correction.audit.probes import (
     DivergenceAccumulator,
     LayerDiff,
     first_token_stats,

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 from nemo_rollout_correction.trainer import async_rollouts
 from nemo_rollout_correction.trainer import checkpoint as ckpt
-from nemo_rollout_correction.trainer.data import PromptRecord
 
 
 class _Payload:

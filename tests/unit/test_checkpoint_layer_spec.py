@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
+require("megatron.core", "megatron")
 
 from nemo_rollout_correction.models.hf_mapping import TE_ALIASES
 from nemo_rollout_correction.trainer.checkpoint import check_layer_spec, layer_spec_of

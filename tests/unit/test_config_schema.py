@@ -114,9 +114,9 @@ def test_model_source_accepts_exactly_the_builtin_model_sources() -> None:
 
 
 def test_task_names_are_the_task_literal() -> None:
-    from nemo_rollout_correction.trainer import tasks
+    from nemo_rollout_correction.tasks import builtin
 
-    assert typing.get_args(typing.get_type_hints(TaskConfig)["name"]) == tasks.TASK_NAMES
+    assert typing.get_args(typing.get_type_hints(TaskConfig)["name"]) == builtin.TASK_NAMES
 
 
 def test_build_accepts_partial_data_and_rejects_bad_types() -> None:

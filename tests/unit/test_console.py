@@ -39,7 +39,7 @@ def test_capture_sends_child_and_own_output_to_the_log_redacted(tmp_path: Path) 
     assert "after close" not in log.read_text()
 
 
-# keys every step emits besides reward/mean (trainer/metric_names.py), as the step line reads them
+# keys every step emits besides reward/mean (harness/metric_names.py), as the step line reads them
 _EVERY_STEP = {"response/length_mean": 12.0, "timing/generation_s": 1.5, "timing/train_s": 2.5}
 
 

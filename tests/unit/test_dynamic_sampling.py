@@ -12,7 +12,7 @@ from nemo_rollout_correction.config.schema import ConfigError, GRPOConfig, Rollo
 from nemo_rollout_correction.core.advantages import grpo_advantages
 from nemo_rollout_correction.core.dapo import overlong_filter_mask, overlong_penalty, zero_variance_groups
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
-from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
+from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer.dynamic_sampling import (
     DapoOptions,
     apply_overlong_filter,

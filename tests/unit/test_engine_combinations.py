@@ -21,9 +21,9 @@ from gpu_pins import vllm033_file
 
 from nemo_rollout_correction.config import load_config
 from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.harness.settings import engine_options
 from nemo_rollout_correction.rollout.engine_processes import llm_kwargs
 from nemo_rollout_correction.trainer.gpu_paths import check_gpu_paths, per_dp_group_gpu_shards
-from nemo_rollout_correction.trainer.settings import engine_options
 
 PLACEMENTS = ("auto", "rank0", "per_dp_group")
 COMBINATIONS = list(itertools.product(PLACEMENTS, ("none", "r3"), (False, True), (1, 2), (1, 2), (0, 1),

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nemo_rollout_correction.trainer import env_reward, environments
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.tasks import build_task
+from nemo_rollout_correction.tasks import env_reward, environments
+from nemo_rollout_correction.tasks.builtin import build_task
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 
 HEAVY = ("torch", "megatron", "vllm", "transformers", "numpy")
 
@@ -23,7 +23,7 @@ def _fresh_modules(code: str) -> set[str]:
 
 
 def test_importing_the_light_module_imports_no_torch() -> None:
-    loaded = _fresh_modules("import nemo_rollout_correction.trainer.env_reward")
+    loaded = _fresh_modules("import nemo_rollout_correction.tasks.env_reward")
     assert "nemo_rollout_correction" in loaded
     assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
 
@@ -34,7 +34,7 @@ def test_a_worker_unpickling_the_task_reward_imports_no_torch() -> None:
     assert task.reward_fn is env_reward.environment_reward
     payload = pickle.dumps(task.reward_fn)
     loaded = _fresh_modules(f"import pickle; fn = pickle.loads({payload!r}); "
-                            "from nemo_rollout_correction.trainer.data import PromptRecord as _unused")
+                            "from nemo_rollout_correction.tasks.prompts import PromptRecord as _unused")
     assert not loaded & {"torch", "megatron", "vllm", "transformers"}, sorted(loaded)
 
 
@@ -57,9 +57,9 @@ def own_reward(records, **unused):
 
 
 if __name__ == "__main__":
-    from nemo_rollout_correction.trainer.data import PromptRecord
-    from nemo_rollout_correction.trainer.env_reward import environment_reward
-    from nemo_rollout_correction.trainer.reward_pool import RewardPool
+    from nemo_rollout_correction.tasks.prompts import PromptRecord
+    from nemo_rollout_correction.tasks.env_reward import environment_reward
+    from nemo_rollout_correction.tasks.reward_pool import RewardPool
     fn = own_reward if sys.argv[2] == "own" else environment_reward
     with RewardPool(fn, 1, 60.0, startup_timeout_s=600.0) as pool:
         print(pool(["p"], ["c"], [PromptRecord("p", metadata={"env_reward": 0.25})], [1]))

@@ -41,7 +41,7 @@ def test_held_out_records_needs_prompts() -> None:
 def test_held_out_records_from_eval_dataset_take_the_files_first_prompts(tmp_path: Path) -> None:
     import json
 
-    from nemo_rollout_correction.trainer.data import PromptRecord
+    from nemo_rollout_correction.tasks.prompts import PromptRecord
 
     path = tmp_path / "held_out.jsonl"
     path.write_text("".join(json.dumps({"question": f"q{i}", "solution": str(i)}) + "\n" for i in range(5)))

@@ -1,7 +1,7 @@
 """No two modules of the package import each other, directly or through others (function-level imports count).
 
 import-linter's layer contract (tests/unit/test_layering.py) orders the packages; inside a package two modules
-could still form a loop, as trainer/rewards.py and trainer/reward_pool.py did (a function-level import whose only
+could still form a loop, as tasks/rewards.py and tasks/reward_pool.py did (a function-level import whose only
 use was an isinstance check). grimp is import-linter's own import graph.
 """
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from default_lane import require
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
+require("megatron.core", "megatron")
 
 import layer_spec_probe
 from gpu_pins import REPO, mcore019_dir

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 import torch
+from default_lane import require
 
 from nemo_rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from nemo_rollout_correction.core.config import RS_OPTIONS
@@ -65,14 +65,15 @@ def _trainer_keys() -> set[str]:
     """Every key one `nrc train` step can emit besides `rollout_corr/*`, from the code that emits it: the step
     report (with two epochs, a loglinear check and two engines), async staleness, DAPO's refills, penalty and
     filter, routing replay and evaluation (greedy and pass@k)."""
-    pytest.importorskip("megatron.core", reason="trainer/step_report.py imports the Megatron policy's records")
+    require("megatron.core", "megatron")
     from nemo_rollout_correction.distributed.groups import ParallelGroups
+    from nemo_rollout_correction.harness import metric_names
+    from nemo_rollout_correction.harness.routing_replay import ROUTER_AGREEMENT
     from nemo_rollout_correction.losses.step_plan import StepPlan, StepResult
     from nemo_rollout_correction.models.optimizer import UpdateResult
     from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
-    from nemo_rollout_correction.trainer import metric_names
+    from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
     from nemo_rollout_correction.trainer.async_rollouts import staleness_metrics
-    from nemo_rollout_correction.trainer.data import PromptRecord, PromptSampler
     from nemo_rollout_correction.trainer.dynamic_sampling import (
         DapoOptions,
         apply_overlong_filter,
@@ -81,7 +82,6 @@ def _trainer_keys() -> set[str]:
     from nemo_rollout_correction.trainer.evaluation import summarize
     from nemo_rollout_correction.trainer.observer import NullObserver
     from nemo_rollout_correction.trainer.policy_update import Update
-    from nemo_rollout_correction.trainer.routing_replay import ROUTER_AGREEMENT
     from nemo_rollout_correction.trainer.step_report import StepReport, StepTimer
 
     def batch_of(records: list[PromptRecord], n: int = 2) -> RolloutBatch:

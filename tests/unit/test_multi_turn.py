@@ -1,5 +1,5 @@
 """Multi-turn bookkeeping (rollout/multi_turn.py), the masks of `RolloutBatch.to_tensors`, the built-in
-environments and tasks (trainer/environments.py, trainer/tasks.py) and their configuration."""
+environments and tasks (tasks/environments.py, tasks/builtin.py) and their configuration."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from default_lane import require
 
 from nemo_rollout_correction.rollout.multi_turn import (
     OBSERVATION,
@@ -17,8 +18,8 @@ from nemo_rollout_correction.rollout.multi_turn import (
     turn_segments,
 )
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.environments import (
+from nemo_rollout_correction.tasks.builtin import build_task
+from nemo_rollout_correction.tasks.environments import (
     FEEDBACK_OBSERVATION,
     arithmetic_feedback_env,
     calculator_env,
@@ -27,7 +28,7 @@ from nemo_rollout_correction.trainer.environments import (
     length_feedback_env,
     length_score,
 )
-from nemo_rollout_correction.trainer.tasks import build_task
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 
 
 def test_trajectory_records_turns_and_observations_in_order() -> None:
@@ -143,7 +144,7 @@ def test_multi_turn_tasks() -> None:
 
 
 def test_config_groups_set_max_turns(tmp_path: Path) -> None:
-    pytest.importorskip("hydra")
+    require("hydra", "config")
     from nemo_rollout_correction.config.loader import load_config
 
     cfg = load_config(["task=calculator"], tmp_path)
@@ -155,9 +156,9 @@ def test_config_groups_set_max_turns(tmp_path: Path) -> None:
 
 
 def test_multi_turn_refuses_what_it_does_not_support(tmp_path: Path) -> None:
-    pytest.importorskip("hydra")
+    require("hydra", "config")
     from nemo_rollout_correction.config.loader import load_config
-    from nemo_rollout_correction.trainer.environments import check_multi_turn_supported
+    from nemo_rollout_correction.tasks.environments import check_multi_turn_supported
 
     check_multi_turn_supported(load_config(["task=calculator"], tmp_path))
     with pytest.raises(ValueError, match=r"set eval\.every_n_steps=0 and eval\.before_train=false"):
@@ -186,7 +187,7 @@ def test_retokenized_chat_ids_renders_the_conversation() -> None:
     from transformers import AutoTokenizer
 
     from nemo_rollout_correction.models.sources import resolve_model_source
-    from nemo_rollout_correction.trainer.environments import retokenized_chat_ids
+    from nemo_rollout_correction.tasks.environments import retokenized_chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_source("tiny-llama")))
     ids = retokenized_chat_ids(tokenizer, "What is 1 + 1?", ["3", "2"], ["Try again."])

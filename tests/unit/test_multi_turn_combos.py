@@ -30,6 +30,15 @@ from nemo_rollout_correction.rollout.multi_turn_loop import run_multi_turn
 from nemo_rollout_correction.rollout.options import SamplingOptions
 from nemo_rollout_correction.rollout.placement import prompt_shard, shard_request_seed
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
+from nemo_rollout_correction.tasks.builtin import build_task
+from nemo_rollout_correction.tasks.environments import (
+    ENV_REWARD_KEY,
+    environment_reward,
+    trajectory_train_rows,
+)
+from nemo_rollout_correction.tasks.prompts import PromptRecord
+from nemo_rollout_correction.tasks.reward_pool import RewardPool
+from nemo_rollout_correction.tasks.rewards import score
 from nemo_rollout_correction.trainer.async_rollouts import (
     PendingBatch,
     RolloutPipeline,
@@ -37,21 +46,12 @@ from nemo_rollout_correction.trainer.async_rollouts import (
     pending_file,
     restored_batches,
 )
-from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.dynamic_sampling import (
     DapoOptions,
     apply_overlong_filter,
     collect_step_rollouts,
 )
-from nemo_rollout_correction.trainer.environments import (
-    ENV_REWARD_KEY,
-    environment_reward,
-    trajectory_train_rows,
-)
 from nemo_rollout_correction.trainer.policy_update import train_rows
-from nemo_rollout_correction.trainer.reward_pool import RewardPool
-from nemo_rollout_correction.trainer.rewards import score
-from nemo_rollout_correction.trainer.tasks import build_task
 
 
 class SeededEngine:
@@ -187,7 +187,7 @@ def test_reward_workers_score_multi_turn_records_like_the_process() -> None:
     records = [dataclasses.replace(r, metadata={**r.metadata, ENV_REWARD_KEY: reward})
                for r, reward in zip(task.records, [0.0, 1.0, 0.5, 1.0 / 3], strict=True)]
     args = ([r.prompt for r in records], ["a", "b", "c", "d"], records, [3, 4, 5, 6])
-    # the task's pool, with a start-up bound for a loaded machine (a worker imports trainer/environments.py)
+    # the task's pool, with a start-up bound for a loaded machine (a worker imports tasks/environments.py)
     pool = RewardPool(environment_reward, 1, 60.0, startup_timeout_s=900.0)
     try:
         pooled = score(pool, *args, sample_ids=[(0, 0), (0, 1), (1, 0), (1, 1)])

@@ -21,8 +21,8 @@ from nemo_rollout_correction.rollout.partial import (
     token_staleness,
 )
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 from nemo_rollout_correction.trainer.async_rollouts import RolloutPipeline
-from nemo_rollout_correction.trainer.data import PromptRecord
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions
 from nemo_rollout_correction.trainer.partial_rollouts import AsyncPartialJobs
 

@@ -18,10 +18,10 @@ import pytest
 import reward_pool_fns as fns
 
 from nemo_rollout_correction.config.schema import ConfigError, TaskConfig
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.reward_pool import RewardCallError, RewardPool
-from nemo_rollout_correction.trainer.rewards import RewardError, score
-from nemo_rollout_correction.trainer.tasks import build_task
+from nemo_rollout_correction.tasks.builtin import build_task
+from nemo_rollout_correction.tasks.prompts import PromptRecord
+from nemo_rollout_correction.tasks.reward_pool import RewardCallError, RewardPool
+from nemo_rollout_correction.tasks.rewards import RewardError, score
 
 
 def _batch(completions: list[str], n: int = 2) -> tuple[list[str], list[str], list[PromptRecord], list[int]]:
@@ -170,8 +170,8 @@ def test_workers_that_cannot_start_fail_fast_not_after_the_startup_bound() -> No
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
         "import reward_pool_fns\n"
-        "from nemo_rollout_correction.trainer.reward_pool import RewardPool\n"
-        "from nemo_rollout_correction.trainer.data import PromptRecord\n"
+        "from nemo_rollout_correction.tasks.reward_pool import RewardPool\n"
+        "from nemo_rollout_correction.tasks.prompts import PromptRecord\n"
         "def stdin_reward(completions, **unused):\n"
         "    return [1.0] * len(completions)\n"
         "print('MODULE', RewardPool(reward_pool_fns.raises_on_bad, 1, 30, startup_timeout_s=100).score(\n"

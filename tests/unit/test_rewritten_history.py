@@ -1,4 +1,4 @@
-"""Rewritten histories (rollout/multi_turn.py, trainer/environments.py): the rewrite answer of an environment, the
+"""Rewritten histories (rollout/multi_turn.py, tasks/environments.py): the rewrite answer of an environment, the
 split of a trajectory into exact-prefix segments token by token, the compaction environment, and what the
 trainer refuses with them. The real engine and trainer: tests/integration/test_rewritten_history_engine.py."""
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from default_lane import require
 
 from nemo_rollout_correction.rollout.multi_turn import (
     OBSERVATION,
@@ -18,8 +19,8 @@ from nemo_rollout_correction.rollout.multi_turn import (
     split_segments,
 )
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.environments import arithmetic_compaction_env, split_rewritten
+from nemo_rollout_correction.tasks.environments import arithmetic_compaction_env, split_rewritten
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 
 OBS = OBSERVATION
 
@@ -96,7 +97,7 @@ def test_arithmetic_compaction_env_summarises_the_wrong_answers() -> None:
 
 
 def test_split_rewritten_refuses_what_acts_per_sequence(tmp_path: Path) -> None:
-    pytest.importorskip("hydra")
+    require("hydra", "config")
     from nemo_rollout_correction.config.loader import load_config
 
     batch = RolloutBatch([_rewritten()], n=1, seconds=0.0)
@@ -113,9 +114,9 @@ def test_split_rewritten_refuses_what_acts_per_sequence(tmp_path: Path) -> None:
 
 
 def test_the_compaction_task_is_refused_at_start_without_the_turn_unit(tmp_path: Path) -> None:
-    pytest.importorskip("hydra")
+    require("hydra", "config")
     from nemo_rollout_correction.config.loader import load_config
-    from nemo_rollout_correction.trainer.environments import check_multi_turn_supported
+    from nemo_rollout_correction.tasks.environments import check_multi_turn_supported
 
     with pytest.raises(ValueError, match=r"task.name=arithmetic_compaction rewrites histories .* set "
                                          r"rollout_correction.sequence_unit=turn"):

@@ -88,7 +88,7 @@ def test_matcher_and_batch_tensors_align_routing_with_input_positions() -> None:
 
 def test_routing_replay_config_key() -> None:
     from nemo_rollout_correction.config import ConfigError, load_config
-    from nemo_rollout_correction.trainer.settings import engine_options
+    from nemo_rollout_correction.harness.settings import engine_options
 
     assert load_config([]).rollout.routing_replay == "none"
     cfg = load_config(["rollout.routing_replay=r3"])

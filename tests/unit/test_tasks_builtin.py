@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rollout_correction.trainer.data import DatasetError, PromptRecord
-from nemo_rollout_correction.trainer.rewards import RewardError, arithmetic_reward, length_target_reward, score
-from nemo_rollout_correction.trainer.tasks import (
+from nemo_rollout_correction.tasks.builtin import (
     LENGTH_TARGET_INSTRUCTIONS,
     arithmetic_records,
     build_task,
     length_target_records,
 )
+from nemo_rollout_correction.tasks.prompts import DatasetError, PromptRecord
+from nemo_rollout_correction.tasks.rewards import RewardError, arithmetic_reward, length_target_reward, score
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
 
@@ -85,7 +85,7 @@ def test_build_task_builtins() -> None:
     assert task.name == "arithmetic" and len(task.records) == 16
     assert task.records == arithmetic_records(16, max_operand=20, seed=9)
     assert task.reward_fn is arithmetic_reward
-    assert task.reward_name == "nemo_rollout_correction.trainer.rewards:arithmetic_reward"
+    assert task.reward_name == "nemo_rollout_correction.tasks.rewards:arithmetic_reward"
 
     task = build_task("length_target", num_prompts=7, target_length=8)
     assert task.reward_fn is length_target_reward
@@ -140,8 +140,8 @@ def test_task_modules_import_no_heavy_frameworks() -> None:
     # or pyarrow (Parquet imports it lazily); torch comes only with the package root.
     code = (
         "import sys\n"
-        "import nemo_rollout_correction.trainer.data, nemo_rollout_correction.trainer.rewards\n"
-        "import nemo_rollout_correction.trainer.tasks\n"
+        "import nemo_rollout_correction.tasks.prompts, nemo_rollout_correction.tasks.rewards\n"
+        "import nemo_rollout_correction.tasks.builtin\n"
         "heavy = ('vllm', 'megatron', 'mlflow', 'pyarrow', 'transformers')\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
     )
@@ -151,7 +151,7 @@ def test_task_modules_import_no_heavy_frameworks() -> None:
 
 def test_task_from_config_builds_the_configured_task_with_the_run_seed() -> None:
     from nemo_rollout_correction.config.schema import RunConfig, TaskConfig, TrainConfig
-    from nemo_rollout_correction.trainer.tasks import task_from_config
+    from nemo_rollout_correction.tasks.builtin import task_from_config
 
     cfg = TrainConfig(run=RunConfig(seed=7), task=TaskConfig(name="arithmetic", num_prompts=5))
     task = task_from_config(cfg)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from default_lane import require
 
-from nemo_rollout_correction.trainer.data import (
+from nemo_rollout_correction.tasks.prompts import (
     DatasetError,
     PromptRecord,
     PromptSampler,

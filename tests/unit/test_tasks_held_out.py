@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_rollout_correction.trainer.tasks import (
+from nemo_rollout_correction.tasks.builtin import (
     LENGTH_TARGET_HELD_OUT_INSTRUCTIONS,
     LENGTH_TARGET_INSTRUCTIONS,
     arithmetic_records,

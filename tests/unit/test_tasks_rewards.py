@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.rewards import (
+from nemo_rollout_correction.tasks.prompts import PromptRecord
+from nemo_rollout_correction.tasks.rewards import (
     RewardError,
     RewardFn,
     arithmetic_reward,
@@ -84,7 +84,7 @@ def test_builtins_satisfy_the_protocol() -> None:
 def test_load_builtin_and_module_path() -> None:
     assert load_reward_fn("arithmetic") is arithmetic_reward
     assert load_reward_fn("length_target") is length_target_reward
-    assert load_reward_fn("nemo_rollout_correction.trainer.rewards:arithmetic_reward") is arithmetic_reward
+    assert load_reward_fn("nemo_rollout_correction.tasks.rewards:arithmetic_reward") is arithmetic_reward
     assert load_reward_fn("math:fabs") is math.fabs
     assert load_reward_fn("pathlib:Path.home") == Path.home  # dotted attribute after the colon
 

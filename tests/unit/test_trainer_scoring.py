@@ -1,4 +1,4 @@
-"""trainer/scoring.py: the per-sequence log-ratio statistics `nrc train`'s review and `nrc audit` share."""
+"""harness/scoring.py: the per-sequence log-ratio statistics `nrc train`'s review and `nrc audit` share."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from default_lane import require
 
 require("megatron.core", "megatron")
 
-from nemo_rollout_correction.trainer.scoring import sequence_log_ratios
+from nemo_rollout_correction.harness.scoring import sequence_log_ratios
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

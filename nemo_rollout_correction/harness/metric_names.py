@@ -1,7 +1,7 @@
 """Names of the metrics the trainer emits (`metrics.jsonl`, MLflow) and that other code reads: one constant each.
 
 The trainer (`trainer/step_report.py`) writes these names; the console (`trainer/console.py`), the MLflow
-observer (`cli/observer.py`) and the audit (`trainer/audit.py`) read them. A string typed twice could drift
+observer (`cli/observer.py`) and the audit (`audit/mismatch.py`) read them. A string typed twice could drift
 (a typo read through `.get(key, default)` showed 0.0 silently); every reader names a constant from here and
 indexes the metrics (`metrics[KEY]`, a missing key raises). Keys a step emits only under some configurations
 are read with `optional`, which still refuses a name that is not listed here. docs/metrics.md documents every
@@ -121,7 +121,7 @@ def optional(metrics: Mapping[str, float], key: str, absent: float) -> float:
     """`metrics[key]`, or `absent` where this step legitimately has no such key (a skipped update, a correction
     without IS or RS). `key` must be one of the names above: a typo raises instead of reading `absent`."""
     if key not in KNOWN:
-        raise KeyError(f"{key!r} is not a metric name of trainer/metric_names.py")
+        raise KeyError(f"{key!r} is not a metric name of harness/metric_names.py")
     return float(metrics[key]) if key in metrics else absent
 
 

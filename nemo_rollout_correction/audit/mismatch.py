@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nemo_rollout_correction.audit import probes
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import compute_rollout_correction
@@ -36,22 +37,21 @@ from nemo_rollout_correction.distributed.context_parallel import gather_cp_token
 from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.distributed.pipeline import broadcast_from_last_stage
 from nemo_rollout_correction.distributed.runtime import Runtime
-from nemo_rollout_correction.models.policy import MegatronPolicy
-from nemo_rollout_correction.rollout.options import SamplingOptions
-from nemo_rollout_correction.rollout.samples import RolloutBatch
-from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-from nemo_rollout_correction.trainer import audit_probes, routing_replay
-from nemo_rollout_correction.trainer import metric_names as mn
-from nemo_rollout_correction.trainer.policy_update import shard_tokens
-from nemo_rollout_correction.trainer.scoring import score_microbatches, sequence_log_ratios
-from nemo_rollout_correction.trainer.settings import (
-    broadcast_rollouts,
+from nemo_rollout_correction.harness import metric_names as mn
+from nemo_rollout_correction.harness import routing_replay
+from nemo_rollout_correction.harness.exchange import broadcast_rollouts
+from nemo_rollout_correction.harness.scoring import score_microbatches, sequence_log_ratios, shard_tokens
+from nemo_rollout_correction.harness.settings import (
     engine_options,
     pad_token_id,
     replay_options,
     sampling_options,
     tokenize_prompt,
 )
+from nemo_rollout_correction.models.policy import MegatronPolicy
+from nemo_rollout_correction.rollout.options import SamplingOptions
+from nemo_rollout_correction.rollout.samples import RolloutBatch
+from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
 # Mismatch metrics printed in the summary (all `rollout_corr/*` metrics are in `AuditReport.metrics`).
 SUMMARY_METRICS = (
@@ -101,7 +101,7 @@ class AuditReport:
     """With routing replay: `router_agreement` and the mismatch with replay (`max_abs_logprob_diff`,
     `mean_abs_logprob_diff`, `kl`, `k3_kl`); the report's other fields are without replay."""
     vocab: dict[str, float] = field(default_factory=dict)
-    """Whole distributions on the fixed tokens (trainer/audit_probes.py): `top_k`, `num_positions`, `tv_mean`,
+    """Whole distributions on the fixed tokens (audit/probes.py): `top_k`, `num_positions`, `tv_mean`,
     `tv_max`, `kl_mean`, `kl_max` (KL(engine || trainer)), `first_token_tv_mean`, `first_token_kl_mean`,
     `rest_mass_mean`; empty when off or skipped (`notes` says why)."""
     first_token: dict[str, float] = field(default_factory=dict)
@@ -170,7 +170,7 @@ def rescore(
     start = time.perf_counter()
     ids = tensors["input_ids"]
     # Microbatches of whole rows (not trimmed: the pieces are concatenated back), each cut into this CP rank's
-    # share as the trainer cuts its own (`policy_update.shard_tokens`).
+    # share as the trainer cuts its own (`harness.scoring.shard_tokens`).
     num = ids.shape[0]
     rows = [torch.arange(lo, min(lo + micro_batch_size, num)) for lo in range(0, num, micro_batch_size)]
     shards = [shard_tokens(ids[r], {}, groups, pad_id=pad_token_id) for r in rows]
@@ -341,7 +341,7 @@ def format_report(report: AuditReport) -> str:
 
 
 def _probe_lines(report: AuditReport) -> list[str]:
-    """The report's distribution, first-token and per-layer sections (trainer/audit_probes.py)."""
+    """The report's distribution, first-token and per-layer sections (audit/probes.py)."""
     lines: list[str] = []
     v = report.vocab
     if v:
@@ -408,7 +408,7 @@ def audit_settings(cfg: TrainConfig) -> tuple[list[str], list[tuple[str, bool]]]
 
 def audit_prompts(cfg: TrainConfig, tokenize: Any, num_prompts: int) -> list[list[int]]:
     """Token ids of the first `num_prompts` prompts of the configured task (deterministic)."""
-    from nemo_rollout_correction.trainer.tasks import task_from_config
+    from nemo_rollout_correction.tasks.builtin import task_from_config
 
     task = task_from_config(cfg)
     return [tokenize(record.prompt) for record in task.records[:num_prompts]]
@@ -442,7 +442,7 @@ def run_audit(
         if head:
             policy.use_fp32_lm_head()
         policies[(dtype, head)] = (policy, time.perf_counter() - start)
-    # The probes beyond the sampled tokens (trainer/audit_probes.py) need the whole model in one process.
+    # The probes beyond the sampled tokens (audit/probes.py) need the whole model in one process.
     single = runtime.world_size == 1
     probe_notes = [] if single else [f"distribution and per-layer probes skipped: they need a one-process audit "
                                      f"(this one has {runtime.world_size} ranks)"]
@@ -464,7 +464,7 @@ def run_audit(
             batch = generate(engine, prompts, sampling_options(cfg), seed=cfg.run.seed)
             if engine is not None and single and top_k != 0:
                 start = time.perf_counter()
-                engine_dists = audit_probes.engine_prompt_logprobs(
+                engine_dists = probes.engine_prompt_logprobs(
                     engine, [s.prompt_token_ids + s.token_ids for s in batch.samples], top_k)
                 engine_seconds["engine_prompt_logprobs"] = time.perf_counter() - start
         finally:
@@ -490,7 +490,7 @@ def run_audit(
                                    micro_batch_size=cfg.policy.micro_batch_size, groups=runtime.groups,
                                    replay_routing=True)
                 report.routing = routing_report(policy, replayed, runtime.groups)
-            report.first_token = audit_probes.first_token_stats(data.old_logprobs, data.rollout_logprobs,
+            report.first_token = probes.first_token_stats(data.old_logprobs, data.rollout_logprobs,
                                                                 data.loss_mask)
             report.notes = list(probe_notes)
             if single:
@@ -500,14 +500,14 @@ def run_audit(
 
 
 def run_probes(report: AuditReport, policy: MegatronPolicy, batch: RolloutBatch,
-               engine_dists: list[list[audit_probes.EnginePosition]] | None, hf_dir: Any, cfg: TrainConfig, *,
+               engine_dists: list[list[probes.EnginePosition]] | None, hf_dir: Any, cfg: TrainConfig, *,
                pad_token_id: int) -> None:
     """Fill `report.vocab`, `report.layers` and `report.parting_layer` (one-process audits only)."""
     routing_replay.begin_step(policy)  # the probes run the policy with its own routers
     sequences = [s.prompt_token_ids + s.token_ids for s in batch.samples]
     if engine_dists is not None:
         start = time.perf_counter()
-        vocab = audit_probes.trainer_vocab_divergence(
+        vocab = probes.trainer_vocab_divergence(
             policy, sequences, engine_dists, [len(s.prompt_token_ids) for s in batch.samples],
             top_k=cfg.audit.vocab_top_k, vocab_size=policy.arch.vocab_size, pad_token_id=pad_token_id,
             micro_batch_size=cfg.policy.micro_batch_size)
@@ -520,10 +520,10 @@ def run_probes(report: AuditReport, policy: MegatronPolicy, batch: RolloutBatch,
         ids = torch.full((n, max(len(r) for r in rows)), pad_token_id, dtype=torch.int64)
         for i, r in enumerate(rows):
             ids[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-        layers = audit_probes.layer_differences(policy, hf_dir, ids, [len(r) for r in rows],
+        layers = probes.layer_differences(policy, hf_dir, ids, [len(r) for r in rows],
                                                 hf_dtype=report.rollout_dtype)
         report.layers = [dataclasses.asdict(layer) for layer in layers]
-        report.parting_layer = audit_probes.parting_layer(layers)
+        report.parting_layer = probes.parting_layer(layers)
         report.seconds["layer_probe"] = time.perf_counter() - start
 
 

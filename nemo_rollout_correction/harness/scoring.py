@@ -1,4 +1,4 @@
-"""Shared by `nrc train` (trainer/grpo.py) and `nrc audit` (trainer/audit.py): re-scoring rollout tokens
+"""Shared by `nrc train` (trainer/grpo.py) and `nrc audit` (audit/mismatch.py): re-scoring rollout tokens
 with the Megatron policy under any context-parallel layout, and per-sequence log-ratio statistics.
 
 Both commands must score and summarise the mismatch the same way (a clean audit is meant to predict
@@ -14,9 +14,34 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from nemo_rollout_correction.distributed.context_parallel import shard_next_token_batch
+from nemo_rollout_correction.distributed.groups import ParallelGroups
 from nemo_rollout_correction.models.policy import MegatronPolicy
 
-__all__ = ["SequenceLogRatios", "score_microbatches", "sequence_log_ratios"]
+__all__ = ["SequenceLogRatios", "TokenShard", "score_microbatches", "sequence_log_ratios", "shard_tokens"]
+
+
+@dataclass(frozen=True)
+class TokenShard:
+    """This CP rank's share of a microbatch (`shard_tokens`): `input_ids` `[rows, padded // cp]`, and with
+    context parallelism `labels` (next-token ids of the held positions) and `position_ids` `[padded // cp]`;
+    `tokens` the per-token tensors cut the same way (`[rows, padded // cp]`)."""
+
+    input_ids: Tensor
+    labels: Tensor | None
+    position_ids: Tensor | None
+    tokens: dict[str, Tensor]
+
+
+def shard_tokens(input_ids: Tensor, tokens: dict[str, Tensor], groups: ParallelGroups, *, pad_id: int) -> TokenShard:
+    """This CP rank's tokens of every row of a microbatch (`distributed.context_parallel.shard_next_token_batch`:
+    Megatron's load-balanced layout, next-token labels cut from the full sequence first); the microbatch as it is
+    without context parallelism. Shared by the trainer's microbatches and the audit's re-scoring, so both cut
+    the same way."""
+    if groups.cp_size == 1:
+        return TokenShard(input_ids, None, None, tokens)
+    shard = shard_next_token_batch(input_ids, tokens, groups.cp_size, groups.cp_rank, pad_id=pad_id)
+    return TokenShard(shard.input_ids, shard.labels, shard.position_ids, dict(shard.tokens))
 
 
 def score_microbatches(policy: MegatronPolicy, input_ids: list[Tensor], replay: Mapping[str, Any], *,

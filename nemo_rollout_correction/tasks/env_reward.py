@@ -2,7 +2,7 @@
 
 A multi-turn rollout stores each trajectory's environment reward (the sum of what its environment returned) in
 `record.metadata[ENV_REWARD_KEY]`; :func:`environment_reward` returns it. It lives apart from
-trainer/environments.py (the environments and the fleet's seam, which import torch and the engine's batch types)
+tasks/environments.py (the environments and the fleet's seam, which import torch and the engine's batch types)
 because `task.reward_workers >= 1` loads the reward function by name in freshly spawned processes: importing this
 module there costs milliseconds, importing environments.py costs torch's import, which on a loaded machine can take
 a large part of the pool's startup bound (`RewardPool(startup_timeout_s=...)`). tests/unit/test_env_reward.py checks
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # annotations only: trainer/data.py imports numpy
-    from nemo_rollout_correction.trainer.data import PromptRecord
+if TYPE_CHECKING:  # annotations only: tasks/prompts.py imports numpy
+    from nemo_rollout_correction.tasks.prompts import PromptRecord
 
 __all__ = ["ENV_REWARD_KEY", "environment_reward"]
 

@@ -1,16 +1,16 @@
 """Built-in tasks: a set of prompt records plus the reward function that scores them.
 
 - ``arithmetic``: locally generated "What is a + b?" / "What is a - b?" problems with operands in
-  ``[0, max_operand]``; reward: :func:`~nemo_rollout_correction.trainer.rewards.arithmetic_reward`.
+  ``[0, max_operand]``; reward: :func:`~nemo_rollout_correction.tasks.rewards.arithmetic_reward`.
 - ``length_target``: short generic writing instructions; reward:
-  :func:`~nemo_rollout_correction.trainer.rewards.length_target_reward`, 0 when the response has
+  :func:`~nemo_rollout_correction.tasks.rewards.length_target_reward`, 0 when the response has
   ``target_length`` tokens (the length task of TRL's rollout-correction experiments, seed 000).
 - ``calculator`` / ``arithmetic_feedback`` / ``arithmetic_compaction``: multi-turn arithmetic (the ``arithmetic``
   problems) with an environment: a calculator tool, feedback after a wrong answer, or a history compacted after a
-  wrong answer (trainer/environments.py, docs/multi_turn.md); reward: the environment's
-  (:func:`~nemo_rollout_correction.trainer.env_reward.environment_reward`).
+  wrong answer (tasks/environments.py, docs/multi_turn.md); reward: the environment's
+  (:func:`~nemo_rollout_correction.tasks.env_reward.environment_reward`).
 - ``length_feedback``: multi-turn on the ``length_target`` instructions: a turn off the target length gets told
-  its length and tries again; reward: the length score of the last turn (the environment's, trainer/environments.py).
+  its length and tries again; reward: the length score of the last turn (the environment's, tasks/environments.py).
 - ``dataset``: a user's JSONL/Parquet file (``dataset_path``); reward: ``reward_fn`` if given,
   else the numeric-answer reward when every record has a numeric answer.
 
@@ -35,11 +35,11 @@ from nemo_rollout_correction.config.schema import (  # TASK_NAMES re-exported: t
     TASK_NAMES,
     TrainConfig,
 )
-from nemo_rollout_correction.trainer.data import PromptRecord, load_prompt_dataset
-from nemo_rollout_correction.trainer.env_reward import environment_reward
-from nemo_rollout_correction.trainer.environments import CALCULATOR_INSTRUCTION, MULTI_TURN_ENVIRONMENTS
-from nemo_rollout_correction.trainer.reward_pool import RewardPool
-from nemo_rollout_correction.trainer.rewards import (
+from nemo_rollout_correction.tasks.env_reward import environment_reward
+from nemo_rollout_correction.tasks.environments import CALCULATOR_INSTRUCTION, MULTI_TURN_ENVIRONMENTS
+from nemo_rollout_correction.tasks.prompts import PromptRecord, load_prompt_dataset
+from nemo_rollout_correction.tasks.reward_pool import RewardPool
+from nemo_rollout_correction.tasks.rewards import (
     arithmetic_reward,
     length_target_reward,
     load_reward_fn,
@@ -144,8 +144,8 @@ class Task:
     Attributes:
         name: one of :data:`TASK_NAMES`.
         records: ``[num_records]`` prompts.
-        reward_fn: a :class:`~nemo_rollout_correction.trainer.rewards.RewardFn`, or a
-            :class:`~nemo_rollout_correction.trainer.reward_pool.RewardPool` around one
+        reward_fn: a :class:`~nemo_rollout_correction.tasks.rewards.RewardFn`, or a
+            :class:`~nemo_rollout_correction.tasks.reward_pool.RewardPool` around one
             (``reward_workers >= 1``); either way ``rewards.score(task.reward_fn, ...)`` scores with it.
         reward_name: ``module:qualname`` of the reward function, for logs.
         eval_records: ``[num_eval_prompts]`` held-out prompts, disjoint from ``records`` (empty unless asked).
@@ -301,7 +301,7 @@ def build_task(
         reward_fn: overrides the task's default reward: a callable, a built-in name
             (``arithmetic``, ``length_target``) or ``"pkg.module:callable"`` / ``"file.py:callable"``.
         reward_workers: 0 scores in this process (one call per step); ``N >= 1`` scores in a pool of ``N``
-            processes, one call per completion (see ``trainer/reward_pool.py`` for what that needs).
+            processes, one call per completion (see ``tasks/reward_pool.py`` for what that needs).
         reward_timeout_s: with a pool, the bound on one call in seconds.
         environment: a multi-turn environment for any task (docs/tasks.md); the multi-turn built-ins bring their
             own.

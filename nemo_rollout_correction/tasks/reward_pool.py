@@ -1,6 +1,6 @@
 """Rewards off the critical path: score completions in a pool of worker processes, each call bounded in time.
 
-``task.reward_workers = N > 0`` makes :func:`~nemo_rollout_correction.trainer.tasks.build_task` wrap the
+``task.reward_workers = N > 0`` makes :func:`~nemo_rollout_correction.tasks.builtin.build_task` wrap the
 reward function in a :class:`RewardPool`. The pool scores **one completion per call** (the reward
 function receives lists of length 1), in ``N`` spawned processes, and returns the rewards in the
 order of the inputs, so they equal the in-process ``score()`` of the whole batch for every reward that
@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.pool import AsyncResult, Pool
 from typing import Any
 
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.rewards import (
+from nemo_rollout_correction.tasks.prompts import PromptRecord
+from nemo_rollout_correction.tasks.rewards import (
     RewardError,
     describe_sample,
     load_reward_fn,
@@ -126,7 +126,7 @@ class RewardPool:
     """A reward function run in ``num_workers`` spawned processes, one completion per call.
 
     Callable like the reward function itself (keyword lists, the :class:`~.rewards.RewardFn` protocol), so
-    it can stand in a :class:`~.tasks.Task`; :meth:`score` also takes exact sample ids for error messages.
+    it can stand in a :class:`~.builtin.Task`; :meth:`score` also takes exact sample ids for error messages.
     The processes start at the first call (ranks that never score start none) and stop at :meth:`close`
     (or at interpreter exit).
 

@@ -9,7 +9,7 @@ completion, so a prompt sampled ``n`` times appears ``n`` times, consecutively):
 
 - ``prompts``: the prompt text as given in the dataset (before any chat template),
 - ``completions``: the generated text, special tokens removed,
-- ``records``: the :class:`~nemo_rollout_correction.trainer.data.PromptRecord` of each prompt
+- ``records``: the :class:`~nemo_rollout_correction.tasks.prompts.PromptRecord` of each prompt
   (``answer`` and ``metadata`` carry the reference data),
 - ``completion_token_counts``: number of generated tokens (the policy's tokenizer).
 
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from nemo_rollout_correction.trainer.data import PromptRecord
+from nemo_rollout_correction.tasks.prompts import PromptRecord
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -71,7 +71,7 @@ class RewardFn(Protocol):
 
 @runtime_checkable
 class BatchScorer(Protocol):
-    """A reward that checks and scores a whole batch itself (:class:`~nemo_rollout_correction.trainer.reward_pool.
+    """A reward that checks and scores a whole batch itself (:class:`~nemo_rollout_correction.tasks.reward_pool.
     RewardPool`: one bounded call per completion in its workers). :func:`score` hands such an object the batch.
 
     A protocol, not the class, so that this module does not import the pool module (which imports this one).
@@ -286,7 +286,7 @@ def score(
 ) -> list[float]:
     """Call ``reward_fn`` with keyword arguments and check its output.
 
-    A :class:`~nemo_rollout_correction.trainer.reward_pool.RewardPool` (``task.reward_workers >= 1``)
+    A :class:`~nemo_rollout_correction.tasks.reward_pool.RewardPool` (``task.reward_workers >= 1``)
     scores in its worker processes, one bounded call per completion; anything else is called once, here.
 
     Args:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.harness.settings import engine_options, sampling_options, tokenize_prompt
 from nemo_rollout_correction.rollout.multi_turn import retokenization_drift
 from nemo_rollout_correction.rollout.multi_turn_loop import (
     chat_context_renderer,
@@ -22,8 +23,7 @@ from nemo_rollout_correction.rollout.multi_turn_loop import (
     run_multi_turn,
 )
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
-from nemo_rollout_correction.trainer.environments import arithmetic_feedback_env, retokenized_chat_ids
-from nemo_rollout_correction.trainer.settings import engine_options, sampling_options, tokenize_prompt
+from nemo_rollout_correction.tasks.environments import arithmetic_feedback_env, retokenized_chat_ids
 
 __all__ = ["MultiTurnDriftReport", "format_multi_turn_report", "run_multi_turn_audit"]
 
@@ -64,7 +64,7 @@ def run_multi_turn_audit(cfg: TrainConfig, *, max_turns: int | None = None, log:
     from transformers import AutoTokenizer
 
     from nemo_rollout_correction.models.sources import resolve_model_source
-    from nemo_rollout_correction.trainer.tasks import task_from_config
+    from nemo_rollout_correction.tasks.builtin import task_from_config
 
     hf_dir = resolve_model_source(cfg.model.source)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))

@@ -20,7 +20,7 @@
 An environment is any callable ``env(state, turn_token_ids) -> EnvStep | (observation, done[, reward])``
 (rollout/multi_turn.py); docs/tasks.md says how to plug one in. The trajectory's reward (the sum of what the
 environment returned) reaches the reward function as ``record.metadata["env_reward"]``: :func:`environment_reward`
-returns it (defined in trainer/env_reward.py, which a reward worker imports without torch), a user's
+returns it (defined in tasks/env_reward.py, which a reward worker imports without torch), a user's
 ``task.reward_fn`` may combine it with its own reading of the transcript.
 """
 
@@ -47,12 +47,12 @@ from nemo_rollout_correction.rollout.multi_turn_loop import (
 )
 from nemo_rollout_correction.rollout.options import SamplingOptions
 from nemo_rollout_correction.rollout.samples import RolloutBatch
-from nemo_rollout_correction.trainer.data import PromptRecord
-from nemo_rollout_correction.trainer.env_reward import (  # environment_reward: re-exported (public API here before)
+from nemo_rollout_correction.tasks.env_reward import (  # environment_reward: re-exported (public API here before)
     ENV_REWARD_KEY,
     environment_reward,
 )
-from nemo_rollout_correction.trainer.rewards import first_number
+from nemo_rollout_correction.tasks.prompts import PromptRecord
+from nemo_rollout_correction.tasks.rewards import first_number
 
 __all__ = [
     "CALCULATOR_INSTRUCTION",
@@ -253,7 +253,7 @@ def split_rewritten(cfg: TrainConfig, batch: RolloutBatch) -> tuple[RolloutBatch
 def trajectory_train_rows(batch: RolloutBatch,
                           train_rows: Callable[[int, int], Tensor]) -> Callable[[int, int], Tensor]:
     """The trajectories of `batch` each data-parallel rank needs the logprobs of, as `train_rows` for
-    `RolloutFleet.localize` (several engines move logprobs to the ranks that train them, by trajectory).
+    `RowSharing.localize` (several engines move logprobs to the ranks that train them, by trajectory).
 
     train_rows: `(num_rows, dp_rank) -> [rows]` the rows of the step's training batch a rank trains. Without a
     rewritten history the training batch is `batch`: `train_rows` itself. With one, the training batch holds a row
