@@ -1,7 +1,9 @@
 """`nrc train [key=value ...]`: the GRPO main job (see docs/training.md).
 
 Order of operations is chosen so failures are cheap and loud:
-1. the configuration is composed and validated (bad override -> exit 2 with the key named);
+1. the configuration is composed and validated (bad override -> exit 2 with the key named); global rank 0 locks
+   `run.output_dir` and settles a previous run in it (trainer/run_dir.py: another live run there, or a previous
+   run without run.resume/run.overwrite -> exit 2 with one line naming it);
 2. torch.distributed and Megatron's parallel state are initialised (torchrun or one process);
 3. on the logging rank, the MLflow store is contacted BEFORE any model work (unreachable -> exit 3);
 4. the trainer builds the policy and the vLLM engine and runs; any failure marks the MLflow run FAILED,
@@ -66,17 +68,26 @@ def _run_train(overrides: Sequence[str], config_dir: str | None, verbose: bool) 
         print(problem, file=sys.stderr)
         return EXIT_CONFIG
     from nemo_rollout_correction.trainer.resume_check import check_config_resumes
-
-    try:  # a resume into another model/task/objective refuses before any process group, MLflow run or engine
-        check_config_resumes(cfg)
-    except ValueError as exc:
-        print(f"nrc train: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+    from nemo_rollout_correction.trainer.run_dir import PreviousRunFound, RunDirBusy, claim_run_dir
 
     rank = int(os.environ.get("RANK", "0"))
     console = Console(secrets=secret_values(to_dict(cfg)), verbose=verbose, is_main=rank == 0)
+    lock = None
+    try:
+        if rank == 0:  # the run directory is this run's (lock; a previous run continued, moved aside or refused)
+            lock = claim_run_dir(Path(cfg.run.output_dir), Path(cfg.checkpoint_dir), resume=cfg.run.resume,
+                                 overwrite=cfg.run.overwrite, log=console.print)
+        # a resume into another model/task/objective refuses before any process group, MLflow run or engine
+        check_config_resumes(cfg)
+    except (RunDirBusy, PreviousRunFound, ValueError) as exc:
+        if lock is not None:
+            lock.release()
+        print(f"nrc train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
     log_path = Path(cfg.run.output_dir) / ("nrc.log" if rank == 0 else f"nrc.rank{rank}.log")
-    console.capture_library_output(log_path)
+    if rank == 0:  # other ranks write their log after the start barrier (`_run`): rank 0 holds the directory then
+        console.capture_library_output(log_path)
     set_current(console)
     console.print(f"[nrc train] library output (vLLM, Megatron, transformers warnings) goes to {log_path}"
                   + ("" if verbose else "; --verbose shows it here too"))
@@ -85,15 +96,19 @@ def _run_train(overrides: Sequence[str], config_dir: str | None, verbose: bool) 
     finally:
         console.close()
         set_current(None)
+        if lock is not None:
+            lock.release()
 
 
 def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
-    from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
+    from nemo_rollout_correction.distributed.runtime import barrier, init_runtime, shutdown_runtime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.captureWarnings(True)  # Python warnings -> the log file, with a timestamp and their origin
     runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
                            cfg.policy.context_parallel_size)
+    barrier()  # the start barrier: rank 0 has claimed the run directory (`_run_train`) before any rank goes on
+    console.capture_library_output(log_path)  # other ranks' logs (rank 0's is already captured)
     Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
     observer = None
     tracker = None

@@ -123,6 +123,9 @@ class RunConfig:
     output_dir: str = _f("runs/${run.name}", "Directory for checkpoints, logs and the local MLflow store.")
     seed: int = _f(1234, "Global random seed (data order, init, sampling unless rollout.seed is set).")
     resume: bool = _f(False, "Resume from the newest checkpoint in checkpoint.dir if there is one.")
+    overwrite: bool = _f(False, "Start a new run in a run.output_dir that holds a previous run (steps in "
+                         "metrics.jsonl, checkpoints): its files are moved to <output_dir>/previous-<UTC time>/ "
+                         "first. With false such a directory is refused unless run.resume=true continues it.")
     num_steps: int = _f(24, "Number of GRPO optimizer steps.")
     log_every: int = _f(1, "Log metrics every N steps.")
     progress: bool = _f(True, "Show the progress bar with ETA on the terminal (a line per step in a log file).")
@@ -135,6 +138,9 @@ class RunConfig:
         _at_least("run.seed", self.seed, 0)
         _at_least("run.num_steps", self.num_steps, 1)
         _at_least("run.log_every", self.log_every, 1)
+        if self.resume and self.overwrite:
+            _fail("run.overwrite", self.overwrite, "with run.resume=true (resume continues the previous run, "
+                  "overwrite moves it aside and starts a new one): set one of them")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ CHANGEABLE: tuple[str, ...] = (
     "rollout.stale_policy",
     "run.num_steps",
     "run.resume",
+    "run.overwrite",
     "run.log_every",
     "run.progress",
     "run.output_dir",
