@@ -3,7 +3,9 @@
 The checkpoint's own saved configuration (`meta.json`) says which model and dtype the run trained; the
 policy is built at world size 1 (one process, TP = PP = CP = 1) from that model, the checkpoint's weights
 are loaded into it (`trainer.checkpoint.load_model_weights`, which reads a checkpoint saved at any
-TP/PP/CP/DP layout), and `models.hf_export.export_hf` writes the Hugging Face
+TP/PP/CP/DP layout). The checkpoint is opened first, through the one door every reader takes
+(`trainer.checkpoint_door.open_checkpoint`: every file checked as data; an unsafe or corrupt file is refused in
+one line naming it, exit 1, before any model is built); then `models.hf_export.export_hf` writes the Hugging Face
 directory (config, sharded safetensors with an index above `--max-shard-size`, tokenizer and chat template,
 generation config), atomically.
 
@@ -56,10 +58,22 @@ def run_export(args: argparse.Namespace) -> int:
     """`nrc export`: see the module docstring; returns the exit code."""
     from nemo_rollout_correction.config import ConfigError, from_dict
     from nemo_rollout_correction.trainer import checkpoint as ckpt
+    from nemo_rollout_correction.trainer.checkpoint_door import CorruptCheckpointError, open_checkpoint
 
     try:
         step_dir = resolve_step_dir(Path(args.source))
-        meta = ckpt.load_meta(step_dir)
+    except FileNotFoundError as exc:
+        print(f"nrc export: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    # the door: an unsafe (UnsafeCheckpointError is a ValueError), corrupt or old per-rank checkpoint is refused
+    # before any model is built
+    try:
+        checkpoint = open_checkpoint(step_dir)
+    except (CorruptCheckpointError, ValueError, FileNotFoundError) as exc:
+        print(f"nrc export: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    meta = checkpoint.meta
+    try:
         cfg = from_dict(_without_redacted(meta["config"]))
         dtype = args.dtype or cfg.export.dtype
         max_shard_size = args.max_shard_size or cfg.export.max_shard_size
@@ -88,10 +102,10 @@ def run_export(args: argparse.Namespace) -> int:
         policy = MegatronPolicy.from_hf(hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
         print("[nrc export] policy built at world size 1; loading the checkpoint's weights", file=sys.stderr,
               flush=True)
-        ckpt.load_model_weights(step_dir, policy.model)  # layout-free: any saved TP/PP/CP/DP
+        ckpt.load_model_weights(checkpoint, policy.model)  # layout-free: any saved TP/PP/CP/DP
         export_hf(policy, out, runtime.groups, dtype=dtype, max_shard_size=max_shard_size, source_dir=hf_dir)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"nrc export: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, CorruptCheckpointError) as exc:
+        print(f"nrc export: {_one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         shutdown_runtime()
@@ -99,6 +113,11 @@ def run_export(args: argparse.Namespace) -> int:
     print(f"[nrc export] wrote {out} ({dtype}, {len(summary['weights'])} safetensors file(s), "
           f"{summary['weight_bytes'] / 1e6:.1f} MB of weights)", file=sys.stderr, flush=True)
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    """The refusal on one line (a CheckpointException lists every rank's error over many lines)."""
+    return " ".join(str(exc).split())
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

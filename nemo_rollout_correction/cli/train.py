@@ -138,6 +138,7 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
     # stops before its first step
     stop = preemption.install(console.print)
     try:
+        _check_resume_checkpoint(cfg)  # before the minutes-long model and engine start-up
         trainer = GrpoTrainer(cfg, runtime, observer, log=console.print)
         trainer.train()
         if trainer.stopped_by is not None:
@@ -171,6 +172,18 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
             console.print(line)
         console.print(f"[nrc train] done: {cfg.run.num_steps} steps; outputs in {cfg.run.output_dir}")
     return code
+
+
+def _check_resume_checkpoint(cfg: TrainConfig) -> None:
+    """With `run.resume=true`, pass the newest checkpoint through the door (`trainer.checkpoint_door`: every file
+    checked as data) now, so an unsafe or corrupt one fails the run in seconds, naming the file and the previous
+    complete checkpoint; the trainer's resume opens it through the same door again when it loads it."""
+    from nemo_rollout_correction.trainer import checkpoint as ckpt
+    from nemo_rollout_correction.trainer.checkpoint_door import open_checkpoint
+
+    step_dir = ckpt.latest_checkpoint(Path(cfg.checkpoint_dir)) if cfg.run.resume else None
+    if step_dir is not None:
+        open_checkpoint(step_dir)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.tasks.prompts import PromptRecord
-from nemo_rollout_correction.trainer.checkpoint import load_data_file
+from nemo_rollout_correction.trainer.checkpoint_door import VerifiedCheckpoint
 
 __all__ = [
     "AsyncRolloutError",
@@ -124,12 +124,12 @@ def pending_file(step_dir: Path, rank: int) -> Path:
     return Path(step_dir) / "async_rollouts" / f"rank_{rank}.pt"
 
 
-def load_pending(step_dir: Path, rank: int) -> dict[str, Any] | None:
+def load_pending(checkpoint: VerifiedCheckpoint, rank: int) -> dict[str, Any] | None:
     """The in-flight rollouts saved by `rank` with a checkpoint (None when the checkpoint has none)."""
-    path = pending_file(step_dir, rank)
-    if not path.exists():
+    # through the door: weights_only=True, data and never code (`RolloutPipeline.state`)
+    state: dict[str, Any] | None = checkpoint.read(pending_file(checkpoint.step_dir, rank))
+    if state is None:
         return None
-    state: dict[str, Any] = load_data_file(path)  # weights_only=True: data, never code (`RolloutPipeline.state`)
     return {**state, "pending": [{**p, "records": [PromptRecord(**r) for r in p["records"]],
                                   "local": _decode_local(p["local"])} for p in state["pending"]]}
 

@@ -34,8 +34,11 @@ metadata, then ours (`meta.json`, last). A save that dies in the background ther
 `distributed.cpu_compat` (device "cpu", a no-op synchronize); on GPU the same path stages tensors to
 host memory first (Megatron's code, not run here: unverified).
 
-The per-rank `rank_<r>.pt` pickles of earlier versions are not read: `load_checkpoint` refuses them with
-a message saying so.
+Reading goes through ONE door, `trainer.checkpoint_door.open_checkpoint`: it checks every file of the
+checkpoint as data (torch.distributed.checkpoint's `.metadata` index, the shards' byte items, `common.pt`, the
+RNG and rollout files) before anything, this module's layer-spec check included, reads one. `load_checkpoint`
+and `load_model_weights` take its `VerifiedCheckpoint` (or open one themselves). The per-rank `rank_<r>.pt`
+pickles of earlier versions are not read: the door refuses them with a message saying so.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,18 +58,22 @@ from torch import nn
 
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
 from nemo_rollout_correction.distributed.runtime import barrier
+from nemo_rollout_correction.trainer.checkpoint_door import (
+    DIST_DIR,
+    META_FILE,
+    RNG_DIR,
+    VerifiedCheckpoint,
+    complete_steps,
+    open_checkpoint,
+)
 
 FORMAT = "nrc-dist-checkpoint/1"
 """`meta.json["format"]` of this layout (sharded, layout-free)."""
-DIST_DIR = "dist"
-RNG_DIR = "rng"
-META_FILE = "meta.json"
 # The distributed optimizer's `fully_reshardable` format: on save its DP shards are gathered and stored per
 # parameter, in the parameter's own shape and TP/PP sharding (like the regular optimizer's state), so TP, PP
 # and DP may all change on load. (Megatron 0.16.1 rejects `fully_sharded_model_space`: "ShardedTensor.
 # flattened_range is not supported"; `dp_reshardable` allows DP changes only.)
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # ---- layout --------------------------------------------------------------------------------------------
@@ -127,51 +133,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file holds something other than data (a pickle that would import or call code)."""
-
-
-def load_data_file(path: Path) -> Any:
-    """`torch.load(path, weights_only=True)`: tensors, numbers, strings, lists, tuples and dicts only.
-
-    Anything else (a pickle whose objects would run code when rebuilt) is refused WITHOUT running it, with an
-    error naming the file; a truncated or unreadable file gets an error naming the file too.
-    """
-    import pickle
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"{path}: refused to load: it is not plain data (torch.load weights_only=True: {_why(exc)}). Checkpoint "
-            "files are read as data only; a file that needs arbitrary unpickling was not written by this version "
-            "or was tampered with") from exc
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise CorruptCheckpointError(path, exc) from exc
-
-
-def _why(exc: BaseException) -> str:
-    """The line of torch's weights-only refusal that names the offending global (its first lines are advice)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    for line in lines:
-        if "Unsupported global" in line or "GLOBAL" in line:
-            return line.split(". Please use")[0]
-    return lines[0] if lines else type(exc).__name__
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint file is truncated or unreadable; the message names it and the checkpoint to resume from."""
-
-    def __init__(self, path: Path, error: BaseException, previous: Path | None = None) -> None:
-        self.path = Path(path)
-        self.error = error
-        text = " ".join(str(error).split())[:500]
-        message = f"{path}: unreadable checkpoint file ({type(error).__name__}: {text})"
-        if previous is not None:
-            message += f"; the previous complete checkpoint is {previous}"
-        super().__init__(message)
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
@@ -249,11 +210,8 @@ def check_layer_spec(step_dir: Path, saved_names: Sequence[str], model_names: Se
         "(`nrc export`) and start a new run from the export (model.source=<export dir>).")
 
 
-def _refuse_other_layer_spec(step_dir: Path, model_state: dict[str, Any]) -> None:
-    from megatron.core import dist_checkpointing
-
-    saved = list(dist_checkpointing.load_tensors_metadata(str(step_dir / DIST_DIR)).keys())
-    check_layer_spec(step_dir, saved, _sharded_tensor_keys(model_state))
+def _refuse_other_layer_spec(checkpoint: VerifiedCheckpoint, model_state: dict[str, Any]) -> None:
+    check_layer_spec(checkpoint.step_dir, checkpoint.tensor_names, _sharded_tensor_keys(model_state))
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:
@@ -419,165 +377,30 @@ def finalize_checkpoints(async_queue: Any | None, *, blocking: bool = False) -> 
     return int(async_queue.get_num_unfinalized_calls())
 
 
-def _check_format(step_dir: Path) -> None:
-    step_dir = Path(step_dir)
-    if not (step_dir / DIST_DIR).is_dir():
-        old = sorted(p.name for p in step_dir.glob("rank_*.pt"))
-        if old:
-            raise ValueError(
-                f"{step_dir} is a per-rank checkpoint ({', '.join(old)}) of an earlier nemo_rollout_correction "
-                f"version; this version reads only sharded checkpoints ({FORMAT}): start a fresh run (or "
-                "resume it with the version that wrote it)")
-        raise FileNotFoundError(f"{step_dir / DIST_DIR} is missing: not a complete checkpoint")
+def load_checkpoint(source: Path | VerifiedCheckpoint, model: nn.Module | Sequence[nn.Module], optim: Any, *,
+                    rank: int, world_size: int) -> LoadReport:
+    """Restore model, optimizer (when saved), LR schedule position and RNG states from a checkpoint.
 
-
-# torch.distributed.checkpoint's `.metadata` is a plain pickle (torch reads it with `pickle.load`), and its byte
-# items are read with `torch.load(weights_only=False)` (DefaultLoadPlanner.load_bytes): both are checked here
-# first, so that reading a checkpoint never runs code. The metadata may name only the checkpoint's own record
-# classes (torch.distributed.checkpoint.*), torch.Size, dtypes, the layout helper and paths (the checkpoint id).
-_DCP_METADATA_FUNCTIONS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                           ("pathlib", "PurePosixPath")}
-
-
-def _allowed_metadata_global(module: str, name: str) -> bool:
-    if (module, name) in _DCP_METADATA_FUNCTIONS:
-        return True
-    if module == "torch":
-        return isinstance(getattr(torch, name, None), torch.dtype)
-    if module.startswith("torch.distributed.checkpoint."):
-        import importlib
-
-        try:
-            obj = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            return False
-        return isinstance(obj, type)  # record classes and enums only, never a function
-    return False
-
-
-def _read_dcp_metadata(path: Path) -> Any:
-    """Unpickle torch.distributed.checkpoint's `.metadata`, refusing any global outside the allowlist."""
-    import pickle
-
-    class _DataOnly(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if not _allowed_metadata_global(module, name):
-                raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
-            return super().find_class(module, name)
-
-    try:
-        with path.open("rb") as handle:
-            return _DataOnly(handle).load()
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"{path}: refused to load: {exc} (a checkpoint is read as data only)") from exc
-    except (EOFError, OSError, AttributeError, ValueError) as exc:
-        raise CorruptCheckpointError(path, exc) from exc
-
-
-def verify_checkpoint_files(step_dir: Path) -> None:
-    """Check that every file of the checkpoint is data before any of it is loaded (no code runs on load).
-
-    `.metadata` through an allowlist unpickler; each byte item of the shards, `common.pt` and the RNG files with
-    `torch.load(weights_only=True)`. Raises `UnsafeCheckpointError` (or `CorruptCheckpointError` for a file
-    that cannot be read), naming the file.
-    """
-    import io
-
-    from nemo_rollout_correction.distributed.dcp_metadata import is_bytes_item
-
-    dist_dir = Path(step_dir) / DIST_DIR
-    metadata = _read_dcp_metadata(dist_dir / ".metadata")
-    sizes: dict[str, int] = {}
-    for index, info in getattr(metadata, "storage_data", {}).items():
-        shard = dist_dir / info.relative_path
-        if info.relative_path not in sizes:
-            sizes[info.relative_path] = shard.stat().st_size if shard.is_file() else -1
-        if sizes[info.relative_path] < info.offset + info.length:  # a truncated or missing shard, named here
-            found = "missing" if sizes[info.relative_path] < 0 else f"{sizes[info.relative_path]} bytes"
-            raise CorruptCheckpointError(shard, EOFError(
-                f"truncated: item {index.fqn} ends at byte {info.offset + info.length}, the file is {found}"))
-        if not is_bytes_item(metadata.state_dict_metadata.get(index.fqn)):
-            continue  # tensors: torch reads them with weights_only=True itself
-        if getattr(info, "transform_descriptors", None):
-            raise UnsafeCheckpointError(f"{shard}: item {index.fqn} is stored transformed and cannot be checked")
-        try:
-            with shard.open("rb") as handle:
-                handle.seek(info.offset)
-                data = handle.read(info.length)
-        except OSError as exc:
-            raise CorruptCheckpointError(shard, exc) from exc
-        if len(data) != info.length:
-            raise CorruptCheckpointError(shard, EOFError(f"item {index.fqn}: {len(data)} of {info.length} bytes"))
-        _load_data_bytes(shard, index.fqn, data, io.BytesIO)
-    if (dist_dir / "common.pt").exists():
-        load_data_file(dist_dir / "common.pt")
-    for rng_file in sorted((Path(step_dir) / RNG_DIR).glob("*.pt")):
-        load_data_file(rng_file)
-
-
-def _load_data_bytes(shard: Path, item: str, data: bytes, buffer: Any) -> None:
-    import pickle
-
-    try:
-        torch.load(buffer(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"{shard}: item {item} refused: not plain data ({_why(exc)})") from exc
-    except (RuntimeError, EOFError) as exc:
-        raise CorruptCheckpointError(shard, exc) from exc
-
-
-def _previous_complete(step_dir: Path) -> Path | None:
-    """The newest complete checkpoint before `step_dir` in its directory (for a corrupt checkpoint's message)."""
-    match = _STEP_DIR.match(Path(step_dir).name)
-    if match is None:
-        return None
-    earlier = [s for s in complete_steps(Path(step_dir).parent) if s < int(match.group(1))]
-    return Path(step_dir).parent / f"step_{earlier[-1]}" if earlier else None
-
-
-def _dist_load(request: dict[str, Any], step_dir: Path) -> dict[str, Any]:
-    """`dist_checkpointing.load` of `<step_dir>/dist` after `verify_checkpoint_files`; a shard that cannot be read
-    (torch's CheckpointException is a BaseException) becomes a `CorruptCheckpointError` naming the files and the
-    previous complete checkpoint."""
-    from megatron.core import dist_checkpointing
-
-    try:
-        verify_checkpoint_files(step_dir)
-    except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(exc.path, exc.error, _previous_complete(step_dir)) from exc
-    try:
-        loaded: dict[str, Any] = dist_checkpointing.load(request, str(Path(step_dir) / DIST_DIR))
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:
-        raise CorruptCheckpointError(Path(step_dir) / DIST_DIR, exc, _previous_complete(step_dir)) from exc
-    return loaded
-
-
-def load_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], optim: Any, *, rank: int,
-                    world_size: int) -> LoadReport:
-    """Restore model, optimizer (when saved), LR schedule position and RNG states from `step_dir`.
-
-    Collective: every rank calls it; the layout may differ from the one that saved. After the load the
-    model's parameters, the optimizer's fp32 main params and Adam moments equal those saved, bit for bit.
-    The LR scheduler resumes at the saved update count under the CURRENT schedule settings (so a run may be
-    extended with a larger `run.num_steps`). A weights-only checkpoint restores the weights and the schedule
-    position; the optimizer's main params are refreshed from the loaded weights and its moments start at 0.
+    `source` is a checkpoint opened by `checkpoint_door.open_checkpoint` (every file checked as data), or its
+    step directory (opened here). Collective: every rank calls it; the layout may differ from the one that
+    saved. After the load the model's parameters, the optimizer's fp32 main params and Adam moments equal those
+    saved, bit for bit. The LR scheduler resumes at the saved update count under the CURRENT schedule settings
+    (so a run may be extended with a larger `run.num_steps`). A weights-only checkpoint restores the weights and
+    the schedule position; the optimizer's main params are refreshed from the loaded weights and its moments
+    start at 0.
     """
 
-    step_dir = Path(step_dir)
-    _check_format(step_dir)
-    meta = load_meta(step_dir)
-    has_optimizer = bool(meta.get("has_optimizer", True))
+    checkpoint = _opened(source)
+    has_optimizer = bool(checkpoint.meta.get("has_optimizer", True))
     chunks = _chunks(model)
     with cuda_to_cpu():
         model_state = _model_sharded_state(chunks)
-        _refuse_other_layer_spec(step_dir, model_state)
+        _refuse_other_layer_spec(checkpoint, model_state)
         request: dict[str, Any] = {"model": model_state}
         if has_optimizer:
             _ensure_optimizer_state(optim.optimizer)
             request["optimizer"] = _optimizer_sharded_state(optim.optimizer, model_state, is_loading=True)
-        loaded = _dist_load(request, step_dir)
+        loaded = checkpoint.load_sharded(request)
         with torch.no_grad():  # in-place copies into leaf parameters
             _load_model_state(chunks, loaded["model"])
             if has_optimizer:
@@ -585,10 +408,20 @@ def load_checkpoint(step_dir: Path, model: nn.Module | Sequence[nn.Module], opti
             else:
                 optim.optimizer.reload_model_params()  # fp32 main params <- the loaded weights
     _restore_scheduler(optim, loaded.get("scheduler"))
-    saved_world = int(meta.get("layout", {}).get("world_size", -1))
-    source = rank if saved_world == world_size and (step_dir / RNG_DIR / f"rank_{rank}.pt").is_file() else 0
-    set_rng_state(load_data_file(step_dir / RNG_DIR / f"rank_{source}.pt"))
-    return LoadReport(optimizer_loaded=has_optimizer, rng_source_rank=source)
+    saved_world = int(checkpoint.meta.get("layout", {}).get("world_size", -1))
+    own = f"{RNG_DIR}/rank_{rank}.pt"
+    source_rank = rank if saved_world == world_size and (checkpoint.step_dir / own).is_file() else 0
+    rng = checkpoint.read(f"{RNG_DIR}/rank_{source_rank}.pt")
+    if rng is None:
+        raise FileNotFoundError(f"{checkpoint.step_dir / RNG_DIR}/rank_{source_rank}.pt is missing: not a complete "
+                                "checkpoint")
+    set_rng_state(rng)
+    return LoadReport(optimizer_loaded=has_optimizer, rng_source_rank=source_rank)
+
+
+def _opened(source: Path | VerifiedCheckpoint) -> VerifiedCheckpoint:
+    """`source` itself when it went through the door, else the door opened on it (a step directory)."""
+    return source if isinstance(source, VerifiedCheckpoint) else open_checkpoint(Path(source))
 
 
 def _load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
@@ -639,10 +472,11 @@ def _restore_scheduler(optim: Any, state: dict[str, Any] | None) -> None:
         scheduler.override_opt_param_scheduler = previous
 
 
-def load_model_weights(step_dir: Path, model_chunks: nn.Module | Sequence[nn.Module]) -> None:
+def load_model_weights(source: Path | VerifiedCheckpoint, model_chunks: nn.Module | Sequence[nn.Module]) -> None:
     """Load a checkpoint's model weights into a policy built at ANY layout (the exporter's entry point).
 
-    `step_dir` is a complete checkpoint directory (`<dir>/step_<N>`, see `latest_checkpoint`);
+    `source` is a checkpoint opened by `checkpoint_door.open_checkpoint`, or its step directory (`<dir>/step_<N>`,
+    see `latest_checkpoint`; opened here, every file checked as data first);
     `model_chunks` is this rank's Megatron model stage (a `GPTModel`, or a list of virtual-pipeline chunks)
     built for the current `megatron.core.parallel_state`, at any TP/PP/CP/DP sizes including a single
     process (initialise a one-rank gloo group and `parallel_state.initialize_model_parallel()` first).
@@ -651,13 +485,12 @@ def load_model_weights(step_dir: Path, model_chunks: nn.Module | Sequence[nn.Mod
     to the model's dtype when they differ). Optimizer state, RNG and metadata are not touched.
     """
 
-    step_dir = Path(step_dir)
-    _check_format(step_dir)
+    checkpoint = _opened(source)
     chunks = _chunks(model_chunks)
     with cuda_to_cpu():
         model_state = _model_sharded_state(chunks)
-        _refuse_other_layer_spec(step_dir, model_state)
-        loaded = _dist_load({"model": model_state}, step_dir)
+        _refuse_other_layer_spec(checkpoint, model_state)
+        loaded = checkpoint.load_sharded({"model": model_state})
         with torch.no_grad():
             _load_model_state(chunks, loaded["model"])
 
@@ -673,19 +506,6 @@ def write_meta(step_dir: Path, meta: dict[str, Any]) -> None:
     tmp = Path(step_dir) / (META_FILE + ".tmp")
     tmp.write_text(json.dumps({"format": FORMAT, **meta}, indent=2, sort_keys=True))
     os.replace(tmp, Path(step_dir) / META_FILE)
-
-
-def complete_steps(ckpt_dir: Path) -> list[int]:
-    """Steps with a complete checkpoint under `ckpt_dir`, ascending."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / META_FILE).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -716,11 +536,8 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[int]:
 
 __all__ = [
     "FORMAT",
-    "CorruptCheckpointError",
     "LoadReport",
-    "UnsafeCheckpointError",
     "check_layer_spec",
-    "complete_steps",
     "current_layout",
     "describe_layout_change",
     "directory_size",
@@ -728,7 +545,6 @@ __all__ = [
     "latest_checkpoint",
     "layer_spec_of",
     "load_checkpoint",
-    "load_data_file",
     "load_meta",
     "load_model_weights",
     "new_async_queue",
@@ -736,6 +552,5 @@ __all__ = [
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
-    "verify_checkpoint_files",
     "write_meta",
 ]

@@ -78,6 +78,7 @@ from nemo_rollout_correction.tasks.builtin import task_from_config
 from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer import checkpoint as ckpt
 from nemo_rollout_correction.trainer import console, evaluation, preemption
+from nemo_rollout_correction.trainer.checkpoint_door import open_checkpoint
 from nemo_rollout_correction.trainer.console import StepProgress
 from nemo_rollout_correction.trainer.fleet import CollectedRollouts, RolloutFleet
 from nemo_rollout_correction.trainer.gpu_paths import check_gpu_paths
@@ -184,14 +185,15 @@ class GrpoTrainer:
         if step_dir is None:
             self.log(f"[nrc train] run.resume=true but no complete checkpoint in {self.ckpt_dir}: starting fresh")
             return None
-        meta = ckpt.load_meta(step_dir)
+        checkpoint = open_checkpoint(step_dir)  # the one door: every file checked as data before any is read
+        meta = checkpoint.meta
         # Another model, task or objective refuses (one message naming every differing key); a layout may change.
         check_resume(str(step_dir), meta.get("config", {}), redact_tree(to_dict(self.cfg)),
                      has_optimizer=bool(meta.get("has_optimizer", True)))
         changed = ckpt.describe_layout_change(meta.get("layout", {}), self._layout())
         if changed:
             self.log(f"[nrc train] resuming at another layout than the checkpoint's: {changed}")
-        report = ckpt.load_checkpoint(step_dir, self.policy.model, self.update.optim, rank=self.runtime.rank,
+        report = ckpt.load_checkpoint(checkpoint, self.policy.model, self.update.optim, rank=self.runtime.rank,
                                       world_size=self.runtime.world_size)
         if not report.optimizer_loaded:
             self.log("[nrc train] weights-only checkpoint: the optimizer restarts with zero Adam moments")
@@ -200,7 +202,7 @@ class GrpoTrainer:
             self.report.alarm.load_state_dict(meta["mismatch_alarm"])
         self.step_index = int(meta["step"])
         self.fleet.refit(self.policy)  # the engine started from the Hugging Face files: give it the checkpoint's
-        self.fleet.in_flight.restore(step_dir)
+        self.fleet.in_flight.restore(checkpoint)
         self.log(f"[nrc train] resumed from {step_dir} (step {self.step_index})")
         return meta
 

@@ -20,6 +20,7 @@ from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.runtime import Runtime, barrier
 from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
 from nemo_rollout_correction.trainer import async_rollouts, partial_rollouts
+from nemo_rollout_correction.trainer.checkpoint_door import VerifiedCheckpoint
 from nemo_rollout_correction.trainer.row_sharing import RowSharing
 
 __all__ = ["InFlightRollouts"]
@@ -85,14 +86,15 @@ class InFlightRollouts:
         torch.save(state, path)
         barrier()
 
-    def restore(self, step_dir: Path) -> None:
+    def restore(self, checkpoint: VerifiedCheckpoint) -> None:
         """Read the checkpoint's in-flight async rollouts (`async_rollouts.pending_file`) for the first steps.
 
         Prompts and versions come from rank 0's file (identical on every rank), results from this rank's own.
         Under another engine placement they are regenerated with the checkpoint's weights (not exact then).
         """
-        pool = partial_rollouts.load_state(step_dir)
-        shared = async_rollouts.load_pending(step_dir, 0)
+        step_dir = checkpoint.step_dir
+        pool = partial_rollouts.load_state(checkpoint)
+        shared = async_rollouts.load_pending(checkpoint, 0)
         if pool is not None and (self.partial is not None or self.partial_async is not None):
             saved = None if shared is None else (shared.get("max_staleness"), shared.get("placement"))
             if saved is not None and saved != (self.cfg.rollout.max_staleness, self.placement_key):
@@ -111,7 +113,7 @@ class InFlightRollouts:
         if shared is None:
             return
         regenerate = shared.get("placement") != self.placement_key
-        own = shared if self.runtime.rank == 0 else async_rollouts.load_pending(step_dir, self.runtime.rank)
+        own = shared if self.runtime.rank == 0 else async_rollouts.load_pending(checkpoint, self.runtime.rank)
         batches = async_rollouts.restored_batches(shared, own)
         steps = ", ".join(str(b.step + 1) for b in batches)
         if self.cfg.rollout.max_staleness == 0:  # synchronous now: every saved batch is stale

@@ -35,7 +35,7 @@ from nemo_rollout_correction.rollout.placement import STEP_SEED_STRIDE, request_
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.tasks.prompts import PromptRecord, PromptSampler
 from nemo_rollout_correction.tasks.rewards import score
-from nemo_rollout_correction.trainer.checkpoint import load_data_file
+from nemo_rollout_correction.trainer.checkpoint_door import VerifiedCheckpoint
 from nemo_rollout_correction.trainer.dynamic_sampling import DapoOptions, StepRollouts, collect_step_rollouts
 
 __all__ = ["AsyncPartialJobs", "LocalGenerator", "PartialRollouts", "SharedGenerator", "detokenizer", "load_state",
@@ -84,10 +84,10 @@ def save_state(step_dir: Path, state: dict[str, Any], *, is_main: bool) -> None:
         torch.save(state, state_file(step_dir))
 
 
-def load_state(step_dir: Path) -> dict[str, Any] | None:
-    """The checkpoint's carried-over groups (None when it has none), read as data only."""
-    path = state_file(step_dir)
-    return load_data_file(path) if path.exists() else None
+def load_state(checkpoint: VerifiedCheckpoint) -> dict[str, Any] | None:
+    """The checkpoint's carried-over groups (None when it has none), read as data only (through the door)."""
+    state: dict[str, Any] | None = checkpoint.read(state_file(checkpoint.step_dir))
+    return state
 
 
 class _SeedCursor:
