@@ -28,6 +28,7 @@ import dist_harness
 
 from nemo_rollout_correction.models.sources import TINY_LLAMA_BUILTIN, tiny_llama_dir
 from nemo_rollout_correction.trainer import checkpoint as ckpt
+from nemo_rollout_correction.trainer import checkpoint_door as door
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 LAUNCH_TIMEOUT = 300.0
@@ -167,7 +168,7 @@ def test_keep_last_prunes_complete_checkpoints_and_ignores_incomplete_ones(tmp_p
         (tmp_path / f"step_{step}" / "dist").mkdir(parents=True)
         if step != 4:  # step 4 crashed while saving: no meta.json
             ckpt.write_meta(tmp_path / f"step_{step}", {"step": step})
-    assert ckpt.complete_steps(tmp_path) == [1, 2, 3]
+    assert door.complete_steps(tmp_path) == [1, 2, 3]
     assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_3"
     assert ckpt.load_meta(tmp_path / "step_3") == {"format": ckpt.FORMAT, "step": 3}
     assert ckpt.prune(tmp_path, keep_last=2) == [1]

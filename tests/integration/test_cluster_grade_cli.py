@@ -136,9 +136,9 @@ def test_sigterm_checkpoints_the_last_step_kills_the_run_and_exits_75(preempted:
     assert "SIGTERM received: stopping after the current step" in stderr
     steps = len(read_metrics(out))
     assert 2 <= steps < 40
-    from nemo_rollout_correction.trainer import checkpoint as ckpt
+    from nemo_rollout_correction.trainer import checkpoint_door as door
 
-    assert ckpt.complete_steps(out / "checkpoints") == [steps], "the stop checkpointed the last finished step"
+    assert door.complete_steps(out / "checkpoints") == [steps], "the stop checkpointed the last finished step"
     run = _run_of(server, out)
     assert run.info.status == "KILLED"
     assert f"stopped by SIGTERM after step {steps}" in stderr

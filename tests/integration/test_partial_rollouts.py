@@ -102,7 +102,7 @@ def test_resume_with_carried_over_responses_matches_the_uninterrupted_run(
         straight: list[dict[str, Any]], tmp_path: Path) -> None:
     split = tmp_path / "split"
     nrc(split, "run.num_steps=2")
-    from nemo_rollout_correction.trainer.checkpoint import load_data_file
+    from nemo_rollout_correction.trainer.checkpoint_door import load_data_file
 
     pool = load_data_file(split / "checkpoints" / "step_2" / "partial_rollouts.pt")
     unfinished = [s for g in pool["groups"] for s in g["samples"]
@@ -210,7 +210,7 @@ def test_async_resume_with_in_flight_and_carried_over_responses_matches_the_unin
     split = tmp_path / "split"
     nrc(split, *ASYNC[len(PARTIAL):], *ALARM, "run.num_steps=2")
     step_dir = split / "checkpoints" / "step_2"
-    from nemo_rollout_correction.trainer.checkpoint import load_data_file
+    from nemo_rollout_correction.trainer.checkpoint_door import load_data_file
 
     pool = load_data_file(step_dir / "partial_rollouts.pt")
     assert pool["in_pool"] == len(pool["groups"]) == 8

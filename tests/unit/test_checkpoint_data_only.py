@@ -2,8 +2,8 @@
 
 A planted pickle whose `__reduce__` would create a marker file (`open(marker, "w")`) stands for an attacker's
 payload: each reader must refuse it with an error naming the file, and the marker must not exist afterwards.
-Real files: torch.save / torch.distributed.checkpoint writes, the readers of trainer/checkpoint.py and
-trainer/async_rollouts.py.
+Real files: torch.save / torch.distributed.checkpoint writes, read through the one door
+(trainer/checkpoint_door.py `open_checkpoint`), which checks every file of a checkpoint before any reader runs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
 from nemo_rollout_correction.tasks.prompts import PromptRecord
 from nemo_rollout_correction.trainer import async_rollouts
 from nemo_rollout_correction.trainer import checkpoint as ckpt
+from nemo_rollout_correction.trainer import checkpoint_door as door
 
 
 class _Payload:
@@ -41,7 +42,7 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path: Path) -> No
     path = tmp_path / "rank_0.pt"
     torch.save(ckpt.rng_state(), path)
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
-    ckpt.set_rng_state(ckpt.load_data_file(path))
+    ckpt.set_rng_state(door.load_data_file(path))
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
     torch.load(path, weights_only=True)  # the stored form itself is plain data
 
@@ -50,8 +51,8 @@ def test_a_planted_pickle_in_the_rng_file_is_refused_without_running(tmp_path: P
     marker = tmp_path / "pwned"
     path = tmp_path / "step_3" / "rng" / "rank_0.pt"
     _plant(path, marker)
-    with pytest.raises(ckpt.UnsafeCheckpointError, match=str(path)):
-        ckpt.load_data_file(path)
+    with pytest.raises(door.UnsafeCheckpointError, match=str(path)):
+        door.load_data_file(path)
     assert not marker.exists()
 
 
@@ -79,11 +80,12 @@ def test_in_flight_rollouts_round_trip_as_data(tmp_path: Path) -> None:
     pipeline = async_rollouts.RolloutPipeline(_NoEngine(), list, max_staleness=1, stale_policy="wait",
                                               samples_per_prompt=1, has_engine=False)
     pipeline.pending = [batch]
-    path = async_rollouts.pending_file(tmp_path, 0)
+    step = _dcp_checkpoint(tmp_path / "step_1")
+    path = async_rollouts.pending_file(step, 0)
     path.parent.mkdir(parents=True)
     torch.save({**pipeline.state(1), "placement": {"num_engines": 1}}, path)
     torch.load(path, weights_only=True)  # plain data
-    loaded = async_rollouts.load_pending(tmp_path, 0)
+    loaded = async_rollouts.load_pending(door.open_checkpoint(step), 0)
     assert loaded is not None and loaded["placement"] == {"num_engines": 1}
     (restored,) = async_rollouts.restored_batches(loaded, loaded)
     assert restored.step == 3 and restored.version == 2 and restored.records == batch.records
@@ -94,13 +96,23 @@ def test_in_flight_rollouts_round_trip_as_data(tmp_path: Path) -> None:
     assert restored.local[1] == [0.5]
 
 
-def test_a_planted_pickle_in_the_in_flight_rollouts_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["rng/rank_0.pt", "async_rollouts/rank_0.pt", "partial_rollouts.pt",
+                                  "dist/common.pt"])
+def test_a_planted_pickle_in_any_data_file_is_refused_by_the_door(tmp_path: Path, name: str) -> None:
     marker = tmp_path / "pwned"
-    path = async_rollouts.pending_file(tmp_path, 0)
-    _plant(path, marker)
-    with pytest.raises(ckpt.UnsafeCheckpointError, match=str(path)):
-        async_rollouts.load_pending(tmp_path, 0)
-    assert not marker.exists()
+    _complete(_dcp_checkpoint(tmp_path / "step_1"))
+    step = _complete(_dcp_checkpoint(tmp_path / "step_2"))
+    _plant(step / name, marker)
+    with pytest.raises(door.UnsafeCheckpointError) as info:
+        door.open_checkpoint(step)
+    assert str(info.value).startswith(f"{step / name}: refused to load: it is not plain data")
+    assert str(info.value).endswith(f"; the previous complete checkpoint is {tmp_path / 'step_1'}")
+    assert "\n" not in str(info.value) and not marker.exists()
+
+
+def _complete(step_dir: Path) -> Path:
+    (step_dir / "meta.json").write_text("{}")
+    return step_dir
 
 
 def _dcp_checkpoint(step_dir: Path, extra: object | None = None) -> Path:
@@ -117,7 +129,8 @@ def _dcp_checkpoint(step_dir: Path, extra: object | None = None) -> Path:
 
 
 def test_a_real_dcp_checkpoint_passes_the_check(tmp_path: Path) -> None:
-    ckpt.verify_checkpoint_files(_dcp_checkpoint(tmp_path / "step_1"))
+    checkpoint = door.open_checkpoint(_dcp_checkpoint(tmp_path / "step_1"))
+    assert checkpoint.tensor_names == ("weight",) and checkpoint.meta == {}
 
 
 def test_planted_dcp_metadata_is_refused_without_running(tmp_path: Path) -> None:
@@ -125,8 +138,8 @@ def test_planted_dcp_metadata_is_refused_without_running(tmp_path: Path) -> None
     step = _dcp_checkpoint(tmp_path / "step_1")
     (step / "dist" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     refused = r"dist/\.metadata: refused to load: global io\.open is not allowed"
-    with pytest.raises(ckpt.UnsafeCheckpointError, match=refused):
-        ckpt.verify_checkpoint_files(step)
+    with pytest.raises(door.UnsafeCheckpointError, match=refused):
+        door.open_checkpoint(step)
     assert not marker.exists()
 
 
@@ -135,8 +148,8 @@ def test_a_planted_object_among_the_shards_bytes_is_refused_without_running(tmp_
     marker = tmp_path / "pwned"
     step = _dcp_checkpoint(tmp_path / "step_1", extra=_Payload(marker))
     assert not marker.exists()
-    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.distcp: item extra_state refused"):
-        ckpt.verify_checkpoint_files(step)
+    with pytest.raises(door.UnsafeCheckpointError, match=r"\.distcp: refused to load: item extra_state is not plain"):
+        door.open_checkpoint(step)
     assert not marker.exists()
 
 
@@ -147,6 +160,25 @@ def test_a_truncated_shard_names_the_file_and_the_previous_checkpoint(tmp_path: 
     (step / "meta.json").write_text("{}")
     shard = next((step / "dist").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:40])
-    with pytest.raises(ckpt.CorruptCheckpointError) as info:
-        ckpt._dist_load({}, step)
+    with pytest.raises(door.CorruptCheckpointError) as info:
+        door.open_checkpoint(step)
     assert str(shard) in str(info.value) and str(tmp_path / "step_1") in str(info.value)
+
+
+def test_another_megatron_backend_is_refused(tmp_path: Path) -> None:
+    """Megatron picks its readers from dist/metadata.json: only the torch_dist files are the ones checked."""
+    step = _dcp_checkpoint(tmp_path / "step_1")
+    (step / "dist" / "metadata.json").write_text('{"sharded_backend": "zarr", "common_backend": "torch"}')
+    with pytest.raises(door.UnsafeCheckpointError, match=r"metadata.json: refused to load: sharded_backend 'zarr'"):
+        door.open_checkpoint(step)
+
+
+def test_only_the_door_makes_a_loaded_checkpoint(tmp_path: Path) -> None:
+    """`load_model_weights` given a step directory opens it through the door first: the planted index is refused
+    before Megatron's own readers (which unpickle `.metadata` with `pickle.load`) see it."""
+    marker = tmp_path / "pwned"
+    step = _dcp_checkpoint(tmp_path / "step_1")
+    (step / "dist" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(door.UnsafeCheckpointError, match=r"\.metadata: refused to load"):
+        ckpt.load_model_weights(step, torch.nn.Linear(1, 1))
+    assert not marker.exists()

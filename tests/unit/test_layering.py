@@ -79,3 +79,18 @@ def test_the_torch_distributed_contract_catches_imports_and_attribute_access() -
     assert uses_of("import torch\n\ntorch.distributed.barrier()\n", forbidden)[0][0] == 3
     assert uses_of("import torch\ntorch.exp(x)\nfrom torch import nn\n", forbidden) == []
     assert uses_of("from .distributed import x\n", forbidden) == []
+
+
+def test_the_checkpoint_door_contract_catches_readers_under_any_alias() -> None:
+    # `lint-imports` runs the contract "Only the checkpoint door unpickles"; this guards its checker.
+    reads_of = _import_contracts().reads_of
+    forbidden = ["torch.load", "pickle.loads", "pickle.Unpickler", "megatron.core.dist_checkpointing*.load*",
+                 "*FileSystemReader*"]
+    assert reads_of("import torch\nx = torch.load(p, weights_only=True)\n", forbidden) == [(2, "torch.load")]
+    assert reads_of("import pickle as pk\n\npk.loads(b)\n", forbidden) == [(3, "pickle.loads")]
+    assert reads_of("from torch import load\n", forbidden) == [(1, "torch.load")]
+    assert reads_of("from megatron.core import dist_checkpointing\ndist_checkpointing.load_tensors_metadata(d)\n",
+                    forbidden) == [(2, "megatron.core.dist_checkpointing.load_tensors_metadata")]
+    assert reads_of("import pickle\nclass U(pickle.Unpickler): pass\n", forbidden) == [(2, "pickle.Unpickler")]
+    assert reads_of("from torch.distributed.checkpoint import FileSystemReader as R\nR(d)\n", forbidden)
+    assert reads_of("import torch\ntorch.save(x, p)\nimport pickle\npickle.dumps(x)\n", forbidden) == []

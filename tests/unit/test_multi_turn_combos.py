@@ -46,6 +46,7 @@ from nemo_rollout_correction.trainer.async_rollouts import (
     pending_file,
     restored_batches,
 )
+from nemo_rollout_correction.trainer.checkpoint_door import VerifiedCheckpoint
 from nemo_rollout_correction.trainer.dynamic_sampling import (
     DapoOptions,
     apply_overlong_filter,
@@ -215,7 +216,9 @@ def test_async_checkpoint_keeps_multi_turn_samples(tmp_path: Path) -> None:
     path.parent.mkdir(parents=True)
     torch.save(pipeline.state(num_engines=1), path)
     pipeline.close()
-    loaded = load_pending(tmp_path, 0)
+    # only the rollouts file of a checkpoint here (the door's full check: tests/unit/test_checkpoint_data_only.py);
+    # `read` loads it with weights_only=True all the same
+    loaded = load_pending(VerifiedCheckpoint(step_dir=tmp_path, meta={}, tensor_names=()), 0)
     assert loaded is not None
     (restored,) = restored_batches(loaded, loaded)
     assert restored.records == [PromptRecord("q", "4", {"k": 1})] and restored.local is not None

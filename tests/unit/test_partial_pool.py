@@ -25,7 +25,7 @@ from nemo_rollout_correction.rollout.partial import (
     version_metrics,
 )
 from nemo_rollout_correction.rollout.samples import RolloutBatch, RolloutSample
-from nemo_rollout_correction.trainer.checkpoint import load_data_file
+from nemo_rollout_correction.trainer.checkpoint_door import load_data_file
 
 EOS = 99
 
