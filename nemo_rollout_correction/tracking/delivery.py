@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_rollout_correction.tracking.store_lock import store_lock
+
 # ====================================================================================================
 # Errors raised by the tracking layer.
 # ====================================================================================================
@@ -306,7 +308,8 @@ class Deliverer:
         from mlflow import MlflowClient
 
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        with store_lock(tracking_uri):  # a replay may be the first to open a new sqlite store (store_lock.py)
+            self.client = MlflowClient(tracking_uri=tracking_uri)
 
     def deliver_prefix(self, records: Sequence[Record], max_records: int = 10_000) -> int:
         """Deliver `records[:n]` for some 1 <= n <= max_records and return n.

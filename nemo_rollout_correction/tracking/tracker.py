@@ -35,6 +35,7 @@ from nemo_rollout_correction.tracking.delivery import (
     classify,
     is_http_uri,
 )
+from nemo_rollout_correction.tracking.store_lock import StoreLockTimeout, store_lock
 
 # ====================================================================================================
 # Config flattening and MLflow name/size rules (stdlib only, no mlflow import).
@@ -440,19 +441,13 @@ class MlflowTracker:
                 "tracking is enabled but mlflow is not installed: `pip install 'nemo_rollout_correction[mlflow]'` "
                 "or set tracking.enabled=false"
             ) from err
-        client = MlflowClient(tracking_uri=self.tracking_uri)
         try:
-            experiment_id = self._experiment_id(client)
-            if self.resume_run_id:
-                run = self._resume(client, self.resume_run_id)
-            else:
-                tags = redact_tree({**default_tags(), **self.extra_tags})
-                tags = {sanitize_key(k): truncate_value(v, MAX_TAG_VALUE_LENGTH) for k, v in tags.items()}
-                run = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
-        except (TrackingUnavailableError, ValueError):
-            raise
-        except Exception as err:  # turned into one actionable error
-            raise self._unavailable(err) from err
+            # Runs started at once against one new sqlite store: one at a time creates its tables, the
+            # experiment and its run (store_lock.py says why MLflow needs this).
+            with store_lock(self.tracking_uri):
+                run = self._open_run(MlflowClient(tracking_uri=self.tracking_uri))
+        except StoreLockTimeout as err:
+            raise TrackingUnavailableError(str(err)) from err
         self._run_id = run.info.run_id
         self._existing_params = dict(run.data.params)
         journal = Journal(self.buffer_dir)
@@ -468,6 +463,21 @@ class MlflowTracker:
             self._sampler.start()
         logger.info("MLflow run %s (%s) at %s", self._run_id, "resumed" if self.resume_run_id else "new", uri)
         return self._run_id
+
+    def _open_run(self, client: Any) -> Any:
+        """Create the run (or resume `resume_run_id`) in the experiment; any failure but a refusal of the
+        resume becomes one TrackingUnavailableError."""
+        try:
+            experiment_id = self._experiment_id(client)
+            if self.resume_run_id:
+                return self._resume(client, self.resume_run_id)
+            tags = redact_tree({**default_tags(), **self.extra_tags})
+            tags = {sanitize_key(k): truncate_value(v, MAX_TAG_VALUE_LENGTH) for k, v in tags.items()}
+            return client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+        except (TrackingUnavailableError, ValueError):
+            raise
+        except Exception as err:  # turned into one actionable error
+            raise self._unavailable(err) from err
 
     def _experiment_id(self, client: Any) -> str:
         existing = client.get_experiment_by_name(self.experiment)

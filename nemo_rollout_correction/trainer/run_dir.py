@@ -29,7 +29,8 @@ LOCK_NAME = ".nrc.lock"
 PREVIOUS_PREFIX = "previous-"
 # Left in place by a move aside: the lock, earlier moves, and the local MLflow store (a store of many runs: the
 # previous run stays in it, and its artifacts stay where the store's records point).
-KEPT = (LOCK_NAME, "mlflow.db", "mlflow.db-journal", "mlflow.db-wal", "mlflow.db-shm", "mlruns")
+KEPT = (LOCK_NAME, "mlflow.db", "mlflow.db-journal", "mlflow.db-wal", "mlflow.db-shm", "mlflow.db.nrc-init.lock",
+        "mlruns")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

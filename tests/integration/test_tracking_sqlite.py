@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sqlite3
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from nemo_rollout_correction.tracking import (
     pending_records,
     replay_buffer,
 )
-from nemo_rollout_correction.tracking.delivery import Journal
+from nemo_rollout_correction.tracking.delivery import BufferedSender, Deliverer, Journal
 from nemo_rollout_correction.tracking.replay import main as replay_main
 
 pytestmark = pytest.mark.integration
@@ -118,6 +119,36 @@ def test_redelivery_after_a_lost_ack_duplicates_nothing(tmp_path: Path, store) -
     assert replay_buffer(run_dir, uri).delivered == 4
     history = MlflowClient(uri).get_metric_history(run_id, "loss/total")
     assert sorted(m.step for m in history) == [0, 1, 2, 3]
+
+
+def test_a_write_that_finds_the_store_locked_is_retried_until_it_goes_through(tmp_path: Path, store) -> None:
+    """Another process writing (here: an open exclusive transaction) makes MLflow's write fail with sqlite's
+    "database is locked" once its busy timeout ends; the sender keeps the records and delivers them after."""
+    run_dir, uri, _ = store
+    run_id = _new_run(uri, "locked")
+    db = run_dir.resolve() / "mlflow.db"
+    short_wait = f"sqlite:///{db}?timeout=0.2"  # sqlite's busy timeout (default 5 s) cut to keep the test short
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    sender = BufferedSender(Journal(tmp_path / "tracking"), lambda: Deliverer(short_wait), short_wait,
+                            retry_initial_s=0.1, retry_max_s=0.2)
+    try:
+        for step in (1, 2):
+            sender.submit({"kind": "metrics", "run_id": run_id, "step": step, "timestamp": 50 + step,
+                           "metrics": {"loss/total": float(step)}})  # fmt: skip
+        sender.submit({"kind": "status", "run_id": run_id, "status": "FINISHED", "end_time": 60})
+        deadline = time.monotonic() + 60
+        while "database is locked" not in (sender.last_error or "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "database is locked" in (sender.last_error or ""), sender.last_error
+        assert sender.pending == 3 and sender.rejected == 0  # an outage, not a refusal
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert sender.close(60.0)
+    assert sender.rejected == 0
+    assert _steps(uri, run_id, "loss/total") == [1, 2]
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
 
 
 def test_replay_errors_name_the_problem(tmp_path: Path) -> None:
