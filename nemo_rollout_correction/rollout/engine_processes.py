@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from nemo_rollout_correction.rollout.errors import RolloutEngineError
+from nemo_rollout_correction.rollout.errors import EngineProcessDiedError, RolloutEngineError
 from nemo_rollout_correction.rollout.options import EngineOptions
 from nemo_rollout_correction.rollout.worker_extension import WORKER_EXTENSION
 
@@ -267,25 +267,34 @@ def _engine_processes(new_children: set[int]) -> list[int]:
     return engines
 
 
-def _dead_processes(pids: Sequence[int]) -> list[str]:
-    """`pid N (exit ...)` for each of `pids` that is no longer running (zombies included)."""
+def _dead_processes(pids: Sequence[int]) -> tuple[list[str], dict[int, int]]:
+    """`pid N (exit ...)` for each of `pids` that is no longer running (zombies included), and the signal that
+    killed each one that a signal killed (by pid)."""
     import psutil
 
-    dead = []
+    dead: list[str] = []
+    signals: dict[int, int] = {}
     for pid in pids:
         try:
             process = psutil.Process(pid)
             if process.status() != psutil.STATUS_ZOMBIE:
                 continue
             code = process.wait(timeout=0)
+            if code is not None and code < 0:
+                signals[pid] = -code
             dead.append(f"pid {pid}, " + (f"killed by signal {-code}" if code is not None and code < 0
                                           else f"exit code {code}"))
         except psutil.NoSuchProcess:
             dead.append(f"pid {pid}, exited")
         except psutil.TimeoutExpired:
             dead.append(f"pid {pid}, defunct")
-    return dead
+    return dead, signals
 
+
+def _died(name: str, what: str, engine_processes: Sequence[int]) -> EngineProcessDiedError | None:
+    """The error for an engine process of `name` that is gone (None while they all run)."""
+    dead, signals = _dead_processes(engine_processes)
+    return EngineProcessDiedError(name, what, dead, signals) if dead else None
 
 
 def watched(what: str, call: Callable[[], T], *, name: str, engine_processes: Sequence[int], timeout_s: float,
@@ -317,10 +326,9 @@ def watched(what: str, call: Callable[[], T], *, name: str, engine_processes: Se
         worker.join(0.5)
         if not worker.is_alive():
             break
-        dead = _dead_processes(engine_processes)
-        if dead:
-            raise RolloutEngineError(f"vLLM {name}: its engine process died during {what} "
-                                     f"({'; '.join(dead)}); the run cannot go on without it")
+        died = _died(name, what, engine_processes)
+        if died is not None:
+            raise died
         if time.monotonic() - start > timeout_s:
             raise RolloutEngineError(
                 f"vLLM {name} (engine processes {engine_processes or 'in this process'}): "
@@ -329,10 +337,9 @@ def watched(what: str, call: Callable[[], T], *, name: str, engine_processes: Se
     if error:
         # vLLM may notice a dead engine core first (EngineDeadError): name the engine and how its process ended
         time.sleep(0.5)  # the dying process becomes a zombie
-        dead = _dead_processes(engine_processes)
-        if dead:
-            raise RolloutEngineError(f"vLLM {name}: its engine process died during {what} "
-                                     f"({'; '.join(dead)}); the run cannot go on without it") from error[0]
+        died = _died(name, what, engine_processes)
+        if died is not None:
+            raise died from error[0]
         raise error[0]
     return result[0]  # type: ignore[no-any-return]
 

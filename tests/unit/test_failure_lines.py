@@ -1,0 +1,123 @@
+"""Every expected failure of `nrc train` is one clear line (issue 36, item 4; cli/failures.py).
+
+Cheap rows: disk full (a real ENOSPC from a 4 MiB tmpfs, wrapped as torch.distributed.checkpoint raises it) and an
+engine killed by the OOM killer (a real engine-like child process killed with SIGKILL while `watched` waits on it).
+The port-in-use and missing-model rows run the real CLI: tests/integration/test_failure_lines.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from nemo_rollout_correction.cli.failures import explain
+from nemo_rollout_correction.config import load_config
+from nemo_rollout_correction.rollout.engine_processes import watched
+from nemo_rollout_correction.rollout.errors import EngineProcessDiedError
+
+MIB = 2**20
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs (root only: skipped otherwise), unmounted at the end."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(path: Path) -> OSError:
+    """Write `path` until the disk is full; the real ENOSPC error."""
+    with pytest.raises(OSError) as info, open(path, "wb") as out:
+        while True:
+            out.write(b"\0" * MIB)
+            out.flush()
+    assert info.value.errno == errno.ENOSPC
+    return info.value
+
+
+def test_disk_full_names_the_path_the_space_and_the_kept_checkpoint(small_disk: Path) -> None:
+    ckpts = small_disk / "run" / "checkpoints"
+    (ckpts / "step_1" / "dist").mkdir(parents=True)
+    (ckpts / "step_1" / "dist" / "__0_0.distcp").write_bytes(b"\0" * MIB)  # a complete checkpoint of 1 MiB
+    (ckpts / "step_1" / "meta.json").write_text(json.dumps({"step": 1}))
+    (ckpts / "step_2" / "dist").mkdir(parents=True)  # the save that fills the disk
+    error = _fill(ckpts / "step_2" / "dist" / "__0_0.distcp")
+    cfg = load_config([f"run.output_dir={small_disk / 'run'}"])
+    raised = CheckpointException("save failed", {0: (error, None)})  # how dist_checkpointing.save raises it
+
+    line = explain(raised, cfg)
+
+    free = shutil.disk_usage(small_disk).free / MIB
+    assert line == (f"disk full: no space left on device writing {ckpts / 'step_2'} ({free:.1f} MiB free there; "
+                    f"a checkpoint of this run takes {(MIB + len(json.dumps({'step': 1}))) / MIB:.1f} MiB); the last "
+                    f"complete checkpoint {ckpts / 'step_1'} is kept: free space (or move checkpoint_dir to a larger "
+                    "disk) and continue with run.resume=true")
+
+
+def test_disk_full_before_any_checkpoint_says_there_is_none(small_disk: Path) -> None:
+    error = _fill(small_disk / "metrics.jsonl")
+    cfg = load_config([f"run.output_dir={small_disk / 'run'}"])
+    line = explain(RuntimeError("writing metrics failed"), cfg)
+    assert line is None  # not a disk-full error
+    line = explain(error, cfg)
+    assert line is not None
+    # a write error names no file: the line names the run directory
+    assert line.startswith(f"disk full: no space left on device writing {small_disk / 'run'} (0.0 MiB free there; ")
+    assert "no checkpoint of this run is complete yet" in line and "nothing to resume from" in line
+
+
+def test_an_engine_killed_by_sigkill_names_the_engine_and_its_memory_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands for VLLM::EngineCore
+    never = threading.Event()
+    threading.Timer(0.5, os.kill, (engine.pid, signal.SIGKILL)).start()  # what the kernel's OOM killer does
+    try:
+        with pytest.raises(EngineProcessDiedError) as info:
+            watched("generate", lambda: never.wait(30), name="engine of rank 0", engine_processes=[engine.pid],
+                    timeout_s=30, in_process=False)
+    finally:
+        never.set()
+        engine.kill()
+        engine.wait()
+    assert info.value.signals == {engine.pid: signal.SIGKILL}
+    cfg = load_config(["rollout.cpu_kvcache_space_gib=3"])
+
+    line = explain(RuntimeError("rollout worker failed"), cfg)
+    assert line is None
+    error = RuntimeError("the async rollout worker stopped")
+    error.__cause__ = info.value  # found behind whatever wraps it
+    assert explain(error, cfg) == (
+        f"vLLM engine of rank 0: its engine process (pid {engine.pid}) was killed by SIGKILL during generate, most "
+        "likely by the kernel's out-of-memory killer (`dmesg` names the pid); its memory setting is "
+        "VLLM_CPU_KVCACHE_SPACE=3 GiB of KV cache (rollout.cpu_kvcache_space_gib; an exported "
+        "VLLM_CPU_KVCACHE_SPACE wins) on top of the model's weights: lower it, run fewer engines per node, or give "
+        "the job more memory")
+
+
+def test_an_engine_that_exits_keeps_the_plain_message() -> None:
+    died = EngineProcessDiedError("engine of rank 0", "generate", ["pid 7, exit code 1"], {})
+    assert explain(died, load_config([])) is None
+    assert str(died) == ("vLLM engine of rank 0: its engine process died during generate (pid 7, exit code 1); "
+                         "the run cannot go on without it")
