@@ -84,7 +84,9 @@ def start_llm(options: EngineOptions) -> StartedLLM:
                                  f"(dtype={options.dtype}, max_model_len={options.max_model_len}): "
                                  f"{type(exc).__name__}: {exc}") from exc
     # vLLM's engine-core process(es), started by LLM(): watched during every call (`watched`)
-    return StartedLLM(llm, _engine_processes(_child_pids() - before), owns_world)
+    engines = _engine_processes(_child_pids() - before)
+    _remember_handles(engines)
+    return StartedLLM(llm, engines, owns_world)
 
 
 def batch_invariant_unsupported_reason() -> str | None:
@@ -275,20 +277,47 @@ def _dead_processes(pids: Sequence[int]) -> tuple[list[str], dict[int, int]]:
     dead: list[str] = []
     signals: dict[int, int] = {}
     for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            if process.status() != psutil.STATUS_ZOMBIE:
+        code = _recorded_exit_code(pid)
+        if code is None:
+            try:
+                process = psutil.Process(pid)
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    continue
+                code = process.wait(timeout=0)
+            except psutil.NoSuchProcess:  # reaped meanwhile: by vLLM's monitor through the handle, if any
+                code = _recorded_exit_code(pid)
+                if code is None:
+                    dead.append(f"pid {pid}, exited")
+                    continue
+            except psutil.TimeoutExpired:
+                dead.append(f"pid {pid}, defunct")
                 continue
-            code = process.wait(timeout=0)
-            if code is not None and code < 0:
-                signals[pid] = -code
-            dead.append(f"pid {pid}, " + (f"killed by signal {-code}" if code is not None and code < 0
-                                          else f"exit code {code}"))
-        except psutil.NoSuchProcess:
-            dead.append(f"pid {pid}, exited")
-        except psutil.TimeoutExpired:
-            dead.append(f"pid {pid}, defunct")
+        if code is not None and code < 0:
+            signals[pid] = -code
+        dead.append(f"pid {pid}, " + (f"killed by signal {-code}" if code is not None and code < 0
+                                      else f"exit code {code}"))
     return dead, signals
+
+
+_HANDLES: dict[int, Any] = {}
+"""The `multiprocessing.Process` of each engine process `start_llm` started, by pid. vLLM's own monitor thread
+reaps a dead engine core at once (`proc.exitcode`), so the OS no longer knows how it ended when the watchdog looks;
+the handle (the very object vLLM polls) keeps its exit code: -9 for SIGKILL, the OOM killer's signal."""
+
+
+def _remember_handles(pids: Sequence[int]) -> None:
+    """Keep the `multiprocessing` handles of `pids` (children of this process) for `_recorded_exit_code`."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.pid is not None and child.pid in pids:
+            _HANDLES[child.pid] = child
+
+
+def _recorded_exit_code(pid: int) -> int | None:
+    """The exit code `multiprocessing` recorded for engine process `pid` (None: running, or no handle)."""
+    handle = _HANDLES.get(pid)
+    return None if handle is None else handle.exitcode
 
 
 def _died(name: str, what: str, engine_processes: Sequence[int]) -> EngineProcessDiedError | None:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,6 +115,45 @@ def test_an_engine_killed_by_sigkill_names_the_engine_and_its_memory_setting(
         "VLLM_CPU_KVCACHE_SPACE=3 GiB of KV cache (rollout.cpu_kvcache_space_gib; an exported "
         "VLLM_CPU_KVCACHE_SPACE wins) on top of the model's weights: lower it, run fewer engines per node, or give "
         "the job more memory")
+
+
+def test_an_engine_reaped_by_vllm_before_the_watchdog_looks_still_says_sigkill() -> None:
+    # vLLM's monitor thread waits on each engine core's sentinel and reads `proc.exitcode` at once, which reaps it:
+    # the watchdog then finds no process, and only the multiprocessing handle knows it died of SIGKILL
+    from multiprocessing import connection, get_context
+
+    from nemo_rollout_correction.rollout import engine_processes
+
+    engine = get_context("fork").Process(target=time.sleep, args=(60,), name="VLLM::EngineCore")
+    engine.start()
+    assert engine.pid is not None
+    engine_processes._remember_handles([engine.pid])  # what start_llm does for the engines it started
+    reaped = threading.Event()
+
+    def vllm_monitor() -> None:
+        connection.wait([engine.sentinel])
+        engine.exitcode  # noqa: B018 (reaps it, as vLLM does)
+        reaped.set()
+
+    threading.Thread(target=vllm_monitor, daemon=True).start()
+    never = threading.Event()
+    threading.Timer(0.5, os.kill, (engine.pid, signal.SIGKILL)).start()
+
+    def call() -> None:
+        never.wait(30)
+
+    try:
+        with pytest.raises(EngineProcessDiedError) as info:
+            watched("weight refit", call, name="engine of rank 0", engine_processes=[engine.pid], timeout_s=30,
+                    in_process=False)
+    finally:
+        never.set()
+        engine.kill()
+        engine.join()
+    assert reaped.wait(5) and engine.exitcode == -signal.SIGKILL
+    assert info.value.signals == {engine.pid: signal.SIGKILL}
+    assert f"(pid {engine.pid}) was killed by SIGKILL during weight refit" in (explain(info.value, load_config([]))
+                                                                               or "")
 
 
 def test_an_engine_that_exits_keeps_the_plain_message() -> None:
