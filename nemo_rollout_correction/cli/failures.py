@@ -37,6 +37,8 @@ from nemo_rollout_correction.trainer.checkpoint_door import META_FILE
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MIB = 2**20
 _ENOSPC_TEXT = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+_WRITER_FAILURES = ("basic_ios::clear: iostream error", "PytorchStreamWriter failed writing")
+"""How torch.save's C++ writer says a write failed (a full disk among the causes; no errno)."""
 
 
 def explain(error: BaseException, cfg: TrainConfig) -> str | None:
@@ -73,9 +75,14 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
 def disk_full(error: BaseException, cfg: TrainConfig) -> str | None:
     """No space left on device: the path being written (the incomplete checkpoint, else the file the error names,
     else the run directory), the space free there against the size of the last complete checkpoint, and that
-    checkpoint, kept (the next save of the same step replaces the incomplete one)."""
-    # an OSError, or its text where a checkpoint writer process re-raised it as another type
-    if not ((isinstance(error, OSError) and error.errno == errno.ENOSPC) or _ENOSPC_TEXT in str(error)):
+    checkpoint, kept (the next save of the same step replaces the incomplete one).
+
+    torch.save's C++ writer (`dist/common.pt`, the first file of a save) reports a full disk without errno
+    (`basic_ios::clear: iostream error`): such a write failure counts as disk full when less than a checkpoint
+    (at least 1 MiB) is free where it was writing."""
+    # an OSError, or its text where a checkpoint writer re-raised it as another type
+    enospc = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or _ENOSPC_TEXT in str(error)
+    if not enospc and not (isinstance(error, RuntimeError) and any(t in str(error) for t in _WRITER_FAILURES)):
         return None
     ckpt_dir = Path(cfg.checkpoint_dir)
     last = ckpt.latest_checkpoint(ckpt_dir)
@@ -83,13 +90,16 @@ def disk_full(error: BaseException, cfg: TrainConfig) -> str | None:
     filename = getattr(error, "filename", None)
     path = writing or (Path(os.fsdecode(filename)) if filename else Path(cfg.run.output_dir))
     free = _free_bytes(path)
-    if last is None:
+    size = None if last is None else ckpt.directory_size(last)
+    if not enospc and free >= max(size or 0, _MIB):
+        return None  # the writer failed with room to spare: not a full disk
+    if size is None:
         needed = ("no checkpoint of this run is complete yet" if writing is None else
                   f"the incomplete checkpoint reached {ckpt.directory_size(writing) / _MIB:.1f} MiB before the "
                   "disk filled; no checkpoint of this run is complete yet")
         kept = "nothing to resume from: free space (or set checkpoint_dir to a larger disk) and start again"
     else:
-        needed = f"a checkpoint of this run takes {ckpt.directory_size(last) / _MIB:.1f} MiB"
+        needed = f"a checkpoint of this run takes {size / _MIB:.1f} MiB"
         kept = (f"the last complete checkpoint {last} is kept: free space (or move checkpoint_dir to a larger "
                 "disk) and continue with run.resume=true")
     return (f"disk full: no space left on device writing {path} ({free / _MIB:.1f} MiB free there; {needed}); "

@@ -2,7 +2,7 @@
 
 Cheap rows: disk full (a real ENOSPC from a 4 MiB tmpfs, wrapped as torch.distributed.checkpoint raises it) and an
 engine killed by the OOM killer (a real engine-like child process killed with SIGKILL while `watched` waits on it).
-The port-in-use and missing-model rows run the real CLI: tests/integration/test_failure_lines.py.
+The port-in-use and missing-model rows run the real CLI: tests/integration/test_failure_lines_cli.py.
 """
 
 from __future__ import annotations
@@ -74,6 +74,26 @@ def test_disk_full_names_the_path_the_space_and_the_kept_checkpoint(small_disk: 
                     f"a checkpoint of this run takes {(MIB + len(json.dumps({'step': 1}))) / MIB:.1f} MiB); the last "
                     f"complete checkpoint {ckpts / 'step_1'} is kept: free space (or move checkpoint_dir to a larger "
                     "disk) and continue with run.resume=true")
+
+
+def test_a_torch_save_on_a_full_disk_is_disk_full_too(small_disk: Path) -> None:
+    # torch.save's C++ writer (dist/common.pt, the first file of a checkpoint) says only "iostream error"
+    import torch
+
+    ckpts = small_disk / "checkpoints"
+    (ckpts / "step_3" / "dist").mkdir(parents=True)
+    _fill(small_disk / "filler")
+    with pytest.raises(RuntimeError) as info:
+        torch.save({"weights": torch.zeros(2**18)}, ckpts / "step_3" / "dist" / "common.pt")
+    cfg = load_config([f"run.output_dir={small_disk}"])
+
+    line = explain(info.value, cfg)
+
+    assert line is not None and line.startswith(
+        f"disk full: no space left on device writing {ckpts / 'step_3'} (0.0 MiB free there; the incomplete "
+        "checkpoint reached "), line
+    (small_disk / "filler").unlink()  # room again: the same failure is not called a full disk
+    assert explain(info.value, cfg) is None
 
 
 def test_disk_full_before_any_checkpoint_says_there_is_none(small_disk: Path) -> None:
