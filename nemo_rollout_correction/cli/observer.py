@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from nemo_rollout_correction.cli.failures import explain
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.harness import metric_names as mn
 from nemo_rollout_correction.tracking import MlflowTracker
@@ -84,16 +85,17 @@ class MlflowObserver:
         # The trainer calls on_end from its `finally`, so the exception ending the run is the one in flight.
         error = sys.exception()
         if status != "FINISHED" and error is not None:
-            record_error(self.tracker, error, Path(self.cfg.run.output_dir))
+            record_error(self.tracker, error, Path(self.cfg.run.output_dir), explain(error, self.cfg))
         self.tracker.close(status)  # type: ignore[arg-type]
 
 
-def record_error(tracker: MlflowTracker, error: BaseException, output_dir: Path) -> None:
-    """Record why a run failed: tag `nrc.error` ("Type: message") and artifact `error/traceback.txt`.
+def record_error(tracker: MlflowTracker, error: BaseException, output_dir: Path, line: str | None = None) -> None:
+    """Record why a run failed: tag `nrc.error` (`line`, an expected failure's clear line from `cli.failures`, else
+    "Type: message") and artifact `error/traceback.txt`.
 
     Goes through the tracker's journal like every record, so it survives a tracking outage too.
     """
-    tracker.set_tags({"nrc.error": f"{type(error).__name__}: {error}"})
+    tracker.set_tags({"nrc.error": line or f"{type(error).__name__}: {error}"})
     path = output_dir / "error" / "traceback.txt"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,9 @@ Order of operations is chosen so failures are cheap and loud:
 2. torch.distributed and Megatron's parallel state are initialised (torchrun or one process);
 3. on the logging rank, the MLflow store is contacted BEFORE any model work (unreachable -> exit 3);
 4. the trainer builds the policy and the vLLM engine and runs; any failure marks the MLflow run FAILED,
-   flushes what was logged, and exits non-zero.
+   flushes what was logged, and exits non-zero. An expected failure (disk full, an engine killed by the OOM
+   killer, a port in use, a missing model directory: cli/failures.py) is said in one line, on the terminal and
+   as the run's `nrc.error`; any other keeps `Type: message` and its traceback in the log.
 """
 
 from __future__ import annotations
@@ -101,12 +103,20 @@ def _run_train(overrides: Sequence[str], config_dir: str | None, verbose: bool) 
 
 
 def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
+    from nemo_rollout_correction.cli.failures import explain
     from nemo_rollout_correction.distributed.runtime import barrier, init_runtime, shutdown_runtime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.captureWarnings(True)  # Python warnings -> the log file, with a timestamp and their origin
-    runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
-                           cfg.policy.context_parallel_size)
+    try:
+        runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
+                               cfg.policy.context_parallel_size)
+    except Exception as exc:  # a port in use: one line (no MLflow run exists yet); anything else as it is
+        line = explain(exc, cfg)
+        if line is None:
+            raise
+        console.print(f"nrc train: {line}")
+        return EXIT_FAILED
     barrier()  # the start barrier: rank 0 has claimed the run directory (`_run_train`) before any rank goes on
     console.capture_library_output(log_path)  # other ranks' logs (rank 0's is already captured)
     Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
@@ -148,13 +158,14 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
                           f"(exit {code})")
     except BaseException as exc:
         code = EXIT_FAILED
-        console.print(f"nrc train: failed at step {getattr(trainer, 'step_index', 0)}: {_one_line(exc)}"
-                      f" (traceback in {log_path})")
+        line = explain(exc, cfg)  # an expected failure (cli/failures.py): its one line, not Python's
+        console.print(f"nrc train: failed at step {getattr(trainer, 'step_index', 0)}: "
+                      + (line or f"{_one_line(exc)} (traceback in {log_path})"))
         traceback.print_exc()  # fd 2: the log file
         if trainer is None and tracker is not None:  # failed before the trainer owned the run: close it here
             from nemo_rollout_correction.cli.observer import record_error
 
-            record_error(tracker, exc, Path(cfg.run.output_dir))
+            record_error(tracker, exc, Path(cfg.run.output_dir), line)
             tracker.close("FAILED")
     finally:
         stop.release()

