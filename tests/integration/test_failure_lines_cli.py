@@ -8,8 +8,6 @@ tests/integration/test_cluster_grade_cli.py.
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from nrc_cli import TINY_FAST, cli_env
+from tmpfs import mounted_tmpfs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -67,18 +66,8 @@ def test_a_missing_model_directory_is_named_with_the_choices(tmp_path: Path) -> 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 MiB tmpfs (root only: skipped otherwise), unmounted at the end."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", 64) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.mark.slow
