@@ -50,10 +50,14 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if not self.run("squeue", "-h", "-j", job_id, "-o", "%i", check=False).stdout.strip():
-                    return
+                proc = self.run("squeue", "-h", "-j", job_id, "-o", "%i", check=False)
             except subprocess.TimeoutExpired:  # slurmctld slow to answer (a load average of 100+ here): ask again
-                pass
+                continue
+            # Only an answer counts: a squeue that failed (slurmctld busy, a socket timeout) also prints nothing, and
+            # taking that for "gone" once ended a wait while a requeued job was still pending. MinJobAge=600 keeps a
+            # finished job known, so a finished job is an empty listing with exit 0.
+            if proc.returncode == 0 and not proc.stdout.strip():
+                return
             time.sleep(2)
         self.run("scancel", job_id, check=False)
         raise AssertionError(f"job {job_id} still queued or running after {timeout:.0f} s; cancelled it")

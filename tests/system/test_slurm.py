@@ -246,7 +246,9 @@ def test_grpo_sbatch_two_nodes_time_limit_signal_requeue_and_resume_in_one_mlflo
     assert "nrc-grpo: 2 node(s) x 1 rank(s), rendezvous 127.0.0.1:" in log, log[-4000:]
     assert "TP=1, PP=1, CP=1, DP=2" in log and (out / "nrc.rank1.log").exists(), log[-4000:]
     assert "nrc-grpo: USR1 received: asking the ranks to checkpoint and stop" in log, log[-4000:]
-    assert f"requeueing job {job_id}" in log and f"restart 1 of job {job_id}: resuming" in log, log[-4000:]
+    job_state = slurm_cluster.run("scontrol", "show", "job", job_id, check=False).stdout
+    assert f"requeueing job {job_id}" in log and f"restart 1 of job {job_id}: resuming" in log, (
+        f"{job_state}\n{slurm_cluster.sacct(job_id)}\n{log[-4000:]}")
     # Accounting keeps one record per attempt (sacct -D): the requeued one and the completed one.
     def attempts() -> list[str]:
         return [r["state"] for r in slurm_cluster.sacct(job_id, "jobid,state") if r["jobid"] == job_id]
