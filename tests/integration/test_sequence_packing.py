@@ -3,7 +3,7 @@
 Real Megatron-Core GPTModel (a tiny random Llama, GQA), real gloo process groups, the trainer's `PolicyUpdate`
 (`packing_worker`). One step on a batch of very uneven rows (responses of 1 to 40 tokens after prompts of 2 to
 6) with random tokens in the padding; the reference is the padded one-process run with fixed-row microbatches,
-computed in the same test. Packed, token-budgeted, and both, under TP = 2 and DP = 2, must give the same
+computed in the same test. Packed, token-budgeted, and both, under TP = 2, DP = 2 and PP = 2, must give the same
 reduced loss sums and correction metrics, gradient norms, per-row logprobs and pi_old, gradients and final
 weights (fp32 tolerance), for the default objective and for sequence-level weights with a sequence-mean loss,
 a KL penalty (the reference policy's pass), two mini-batches and two PPO epochs.
@@ -83,10 +83,11 @@ def _with(config: dict[str, Any], **policy: Any) -> dict[str, Any]:
     return {**config, "policy": {**config["policy"], **policy}}
 
 
-def _run(hf_dir: Path, configs: list[dict[str, Any]], world: int = 1, tp: int = 1) -> list[list[dict[str, Any]]]:
+def _run(hf_dir: Path, configs: list[dict[str, Any]], world: int = 1, tp: int = 1,
+         pp: int = 1) -> list[list[dict[str, Any]]]:
     """Per config, every rank's result (`packing_worker`: all configs in one start of `world` processes)."""
     tensors, advantages = _batch()
-    by_rank = dist_harness.launch(packing_worker.worker, world, str(hf_dir), tp, 1, configs, tensors, advantages,
+    by_rank = dist_harness.launch(packing_worker.worker, world, str(hf_dir), tp, pp, configs, tensors, advantages,
                                   timeout=600.0)
     return [[rank[i] for rank in by_rank] for i in range(len(configs))]
 
@@ -179,11 +180,11 @@ def test_packed_and_budgeted_updates_equal_the_padded_run(hf_dir: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
 def test_packed_layouts_equal_the_one_process_padded_run(hf_dir: Path, layout: str) -> None:
     (reference,) = _run(hf_dir, [SEQUENCE_LEVEL])
     config = _with(SEQUENCE_LEVEL, sequence_packing=True, max_tokens_per_microbatch=60)
-    (got,) = _run(hf_dir, [config], world=2, tp=2 if layout == "tp2" else 1)
+    (got,) = _run(hf_dir, [config], world=2, tp=2 if layout == "tp2" else 1, pp=2 if layout == "pp2" else 1)
     if layout == "dp2":
         assert got[0]["num_microbatches"] == got[1]["num_microbatches"]
     _assert_same_run(got, reference)
