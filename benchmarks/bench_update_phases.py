@@ -36,7 +36,7 @@ all-reduce + clip + AdamW), `zero`. The first update is warm-up and excluded; me
 `--compare packing`: the trainer's whole update phase (`PolicyUpdate.cut` + `run`: the passes, forward/backward and
 optimizer step of one step) on a batch of uneven rows, three ways built side by side:
 
-  packed-budget   `policy.sequence_packing=true` with `policy.max_tokens_per_microbatch=--max-tokens`
+  packed-budget   `policy.sequence_packing=true` with `policy.max_tokens_per_microbatch=--max-tokens` (not with 0)
   packed          `policy.sequence_packing=true`, `--rows` rows per microbatch
   padded          the default: `--rows` rows per microbatch padded to the longest (the ratios' denominator)
 
@@ -121,6 +121,8 @@ def _packing_rank(rank: int, world: int, port: int, args: dict[str, Any], out: s
               file=sys.stderr, flush=True)
     updates: dict[str, Any] = {}
     for name, settings in PACKING.items():
+        if name == "packed-budget" and not args["max_tokens"]:
+            continue  # --max-tokens 0: two paths (a third SmolLM2 with its optimizer costs about 3 GB)
         policy_cfg: dict[str, Any] = {"micro_batch_size": args["rows"], "lr": 1e-6, **settings}
         if name == "packed-budget":
             policy_cfg["max_tokens_per_microbatch"] = args["max_tokens"]
@@ -274,6 +276,8 @@ def _print_packing(args: argparse.Namespace, samples: dict[str, Any], paths: tup
           f"(PolicyUpdate.cut + run), medians over {args.updates - 1} updates, rank 0, ms")
     print(f"{'path':<15}{'cpu':>10}{'wall':>10}{'ratio to padded (median of interleaved pairs)':>50}")
     for name in paths:
+        if f"{name}/update" not in samples:
+            continue
         values = samples[f"{name}/update"]
         ratios = [a[kind] / b[kind] for a, b in zip(values, samples["padded/update"], strict=True)]
         print(f"{name:<15}{1000 * statistics.median(v[0] for v in values):>10.1f}"
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="--compare packing: the row lengths (module docstring)")
     parser.add_argument("--samples", type=int, default=16, help="--compare packing: rows per step")
     parser.add_argument("--max-tokens", type=int, default=2048,
-                        help="--compare packing: policy.max_tokens_per_microbatch of packed-budget")
+                        help="--compare packing: policy.max_tokens_per_microbatch of packed-budget (0: no such path)")
     args = parser.parse_args(argv)
     if args.updates < 2:
         parser.error("--updates must be >= 2 (the first is warm-up)")
