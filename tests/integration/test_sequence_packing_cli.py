@@ -42,8 +42,11 @@ def _compared(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _close(a: Any, b: Any) -> bool:
+    """fp32 tolerance. abs 1e-4: with fp32 rollouts the trainer's and the engine's logprobs agree to rounding, so
+    the mismatch metrics measure rounding (IS weights 1 +- 1e-6, whose std from sums of squares is 0 or 6e-5
+    depending on the order of the sums)."""
     if isinstance(a, float) and isinstance(b, float):
-        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4)
     return bool(a == b)
 
 
@@ -51,6 +54,11 @@ def test_packed_token_budget_run_equals_the_padded_run(tmp_path: Path) -> None:
     padded = _run(BASE, tmp_path / "padded")
     packed = _run([*BASE, "policy.sequence_packing=true", "policy.max_tokens_per_microbatch=256"],
                   tmp_path / "packed")
+    _assert_same(tmp_path / "packed", tmp_path / "padded", packed, padded)
+
+
+def _assert_same(packed_dir: Path, padded_dir: Path, packed: list[dict[str, Any]],
+                 padded: list[dict[str, Any]]) -> None:
     assert len(padded) == len(packed) == 2
     for a, b in zip(packed, padded, strict=True):
         a, b = _compared(a), _compared(b)
@@ -60,8 +68,8 @@ def test_packed_token_budget_run_equals_the_padded_run(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    weights_packed = load_file(str(tmp_path / "packed" / "hf" / "model.safetensors"))
-    weights_padded = load_file(str(tmp_path / "padded" / "hf" / "model.safetensors"))
+    weights_packed = load_file(str(packed_dir / "hf" / "model.safetensors"))
+    weights_padded = load_file(str(padded_dir / "hf" / "model.safetensors"))
     assert weights_packed.keys() == weights_padded.keys()
     for name, tensor in weights_padded.items():
         torch.testing.assert_close(weights_packed[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
