@@ -32,6 +32,19 @@ all-reduce + clip + AdamW), `zero`. The first update is warm-up and excluded; me
   full            every position's logits computed (before it), those of the prompt discarded
 
     python benchmarks/bench_update_phases.py --model smollm2-135m --compare lm-head --rows 8 --width 104 --prompt 56
+
+`--compare packing`: the trainer's whole update phase (`PolicyUpdate.cut` + `run`: the passes, forward/backward and
+optimizer step of one step) on a batch of uneven rows, three ways built side by side:
+
+  packed-budget   `policy.sequence_packing=true` with `policy.max_tokens_per_microbatch=--max-tokens` (not with 0)
+  packed          `policy.sequence_packing=true`, `--rows` rows per microbatch
+  padded          the default: `--rows` rows per microbatch padded to the longest (the ratios' denominator)
+
+`--lengths default`: the default run's shapes (16 rows, prompts of 50-60 tokens, responses of 8-48);
+`--lengths long-tail`: rows of 16 to 512 tokens, log-uniform (a quarter of them over 150), prompts of 8 + 1/8.
+
+    python benchmarks/bench_update_phases.py --model smollm2-135m --compare packing --lengths default --rows 8
+    python benchmarks/bench_update_phases.py --model smollm2-135m --compare packing --lengths long-tail --rows 8
 """
 
 from __future__ import annotations
@@ -50,7 +63,91 @@ from pathlib import Path
 from typing import Any
 
 PATHS = ("megatron", "megatron-plain", "hand-written")
-COMPARISONS = {"paths": PATHS, "attention": ("sdpa", "unfused"), "lm-head": ("cut", "full")}
+COMPARISONS = {"paths": PATHS, "attention": ("sdpa", "unfused"), "lm-head": ("cut", "full"),
+               "packing": ("packed-budget", "packed", "padded")}
+PACKING = {"packed-budget": {"sequence_packing": True}, "packed": {"sequence_packing": True}, "padded": {}}
+
+
+def _uneven_batch(kind: str, samples: int, seed: int) -> tuple[dict[str, Any], Any]:
+    """A step's batch tensors of `samples` uneven rows (`--lengths`) and their advantages."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "default":
+        prompts = torch.randint(50, 61, (samples,), generator=gen)
+        responses = torch.randint(8, 49, (samples,), generator=gen)
+    else:
+        lengths = torch.exp(torch.empty(samples).uniform_(math.log(16), math.log(512), generator=gen)).round().long()
+        prompts = 8 + lengths // 8
+        responses = (lengths - prompts).clamp(min=1)
+    total = prompts + responses
+    width = int(total.max())
+    columns = torch.arange(width - 1)[None, :]
+    loss_mask = (columns >= (prompts - 1)[:, None]) & (columns < (total - 1)[:, None])
+    tensors = {"input_ids": torch.randint(3, 400, (samples, width), generator=gen), "loss_mask": loss_mask,
+               "rollout_logprobs": torch.where(loss_mask, -2.0 + 0.1 * torch.randn(samples, width - 1, generator=gen),
+                                               0.0),
+               "prompt_lengths": prompts, "response_lengths": responses}
+    return tensors, torch.randn(samples, generator=gen)
+
+
+def _packing_rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
+    """`--compare packing`: each path's `PolicyUpdate.cut` + `run` on the same batch, interleaved."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from nemo_rollout_correction.config.loader import from_dict
+    from nemo_rollout_correction.distributed.groups import ParallelGroups
+    from nemo_rollout_correction.models.megatron_cpu import patch_cuda_for_cpu
+    from nemo_rollout_correction.models.policy import MegatronPolicy
+    from nemo_rollout_correction.models.sources import resolve_model_source
+    from nemo_rollout_correction.trainer.policy_update import PolicyUpdate
+
+    torch.set_num_threads(args["threads"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=900))
+    patch_cuda_for_cpu()
+    ps.initialize_model_parallel()
+    groups = ParallelGroups.from_megatron()
+    source = resolve_model_source(args["model"])
+    tensors, advantages = _uneven_batch(args["lengths"], args["samples"], seed=0)
+    if rank == 0:
+        total = tensors["prompt_lengths"] + tensors["response_lengths"]
+        print(f"[bench_update_phases] {args['samples']} rows of {int(total.min())}-{int(total.max())} tokens, "
+              f"{int(total.sum())} in all; padded to the longest row of each microbatch of {args['rows']}",
+              file=sys.stderr, flush=True)
+    updates: dict[str, Any] = {}
+    for name, settings in PACKING.items():
+        if name == "packed-budget" and not args["max_tokens"]:
+            continue  # --max-tokens 0: two paths (a third SmolLM2 with its optimizer costs about 3 GB)
+        policy_cfg: dict[str, Any] = {"micro_batch_size": args["rows"], "lr": 1e-6, **settings}
+        if name == "packed-budget":
+            policy_cfg["max_tokens_per_microbatch"] = args["max_tokens"]
+        cfg = from_dict({"policy": policy_cfg, "run": {"num_steps": 1000},
+                         "task": {"prompts_per_step": args["samples"] // 4},
+                         "rollout": {"max_new_tokens": 512, "max_model_len": 1024}})
+        policy = MegatronPolicy.from_hf(source, params_dtype=args["dtype"])
+        updates[name] = PolicyUpdate(cfg, groups, policy, None, pad_id=0)
+
+    @contextlib.contextmanager
+    def no_timer(_phase: str) -> Any:
+        yield
+
+    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for index in range(args["updates"]):
+        for name, update in updates.items():
+            cpu, wall = time.thread_time(), time.perf_counter()
+            update.run(update.cut(tensors, advantages), index, no_timer)
+            if index > 0:  # the first is warm-up
+                samples[f"{name}/update"].append((time.thread_time() - cpu, time.perf_counter() - wall))
+        if rank == 0:
+            print(f"[bench_update_phases] update {index + 1}/{args['updates']} done", file=sys.stderr, flush=True)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(samples))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
@@ -172,6 +269,23 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
     dist.destroy_process_group()
 
 
+def _print_packing(args: argparse.Namespace, samples: dict[str, Any], paths: tuple[str, ...]) -> int:
+    kind = 0 if args.threads == 1 else 1  # CPU time of this thread, or wall time with more threads
+    print(f"{args.model} {args.dtype} DP={args.dp}, --lengths {args.lengths}, {args.samples} rows, "
+          f"{args.rows} rows per padded/packed microbatch, packed-budget {args.max_tokens} tokens: update phase "
+          f"(PolicyUpdate.cut + run), medians over {args.updates - 1} updates, rank 0, ms")
+    print(f"{'path':<15}{'cpu':>10}{'wall':>10}{'ratio to padded (median of interleaved pairs)':>50}")
+    for name in paths:
+        if f"{name}/update" not in samples:
+            continue
+        values = samples[f"{name}/update"]
+        ratios = [a[kind] / b[kind] for a, b in zip(values, samples["padded/update"], strict=True)]
+        print(f"{name:<15}{1000 * statistics.median(v[0] for v in values):>10.1f}"
+              f"{1000 * statistics.median(v[1] for v in values):>10.1f}{statistics.median(ratios):>12.3f} "
+              f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama", help="tiny-llama, smollm2-135m or a Hugging Face dir")
@@ -184,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads per rank (CPU time counts this thread only: compare wall times above 1)")
     parser.add_argument("--prompt", type=int, default=56, help="--compare lm-head: prompt tokens per row")
     parser.add_argument("--compare", default="paths", choices=tuple(COMPARISONS),
-                        help="paths: the three update paths; attention: the fused vs the unfused core attention")
+                        help="paths: the three update paths; attention: the fused vs the unfused core attention; "
+                             "lm-head: cut vs full output layer; packing: packed vs padded microbatches")
+    parser.add_argument("--lengths", default="default", choices=("default", "long-tail"),
+                        help="--compare packing: the row lengths (module docstring)")
+    parser.add_argument("--samples", type=int, default=16, help="--compare packing: rows per step")
+    parser.add_argument("--max-tokens", type=int, default=2048,
+                        help="--compare packing: policy.max_tokens_per_microbatch of packed-budget (0: no such path)")
     args = parser.parse_args(argv)
     if args.updates < 2:
         parser.error("--updates must be >= 2 (the first is warm-up)")
@@ -194,9 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(args.dp, port, vars(args), out), nprocs=args.dp, start_method="spawn")
+        entry = _packing_rank if args.compare == "packing" else _rank
+        mp.start_processes(entry, args=(args.dp, port, vars(args), out), nprocs=args.dp, start_method="spawn")
         samples = json.loads(Path(out, "rank0.json").read_text())
     paths = COMPARISONS[args.compare]
+    if args.compare == "packing":
+        return _print_packing(args, samples, paths)
     print(f"{args.model} {args.dtype} DP={args.dp}, {2 * args.rows} rows x {args.width} tokens: "
           f"medians over {args.updates - 1} updates, rank 0, ms")
     print(f"{'phase':<10}" + "".join(f"{name + ' cpu':>20}{'wall':>8}" for name in paths))

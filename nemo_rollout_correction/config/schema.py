@@ -175,6 +175,13 @@ class PolicyConfig(PolicyOptimizerConfig):
     pipeline_parallel_size: int = _f(1, "Megatron pipeline-parallel size (PP).")
     context_parallel_size: int = _f(1, "Megatron context-parallel size (CP).")
     micro_batch_size: int = _f(8, "Sequences per microbatch on one data-parallel rank.")
+    # ---- packed sequences and token budgets (issue 38) ----
+    sequence_packing: bool = _f(False, "Concatenate a microbatch's rows without padding (Megatron's THD layout, "
+                                "positions restart per row, attention never crosses a row) instead of padding "
+                                "them to the longest row (docs/training.md, \"Sequence packing\").")
+    max_tokens_per_microbatch: int = _f(0, "Fill microbatches by tokens instead of rows: at most this many tokens "
+                                        "(packed: the rows' lengths; padded: rows x longest row) per microbatch, "
+                                        "rows sorted by length; 0 = off (policy.micro_batch_size rows each).")
     # ---- precision knobs (issue 14) ----
     lm_head_fp32: bool = _f(False, "Compute the output layer and logprobs in fp32 under a bf16 policy (no-op in fp32).")
 
@@ -182,6 +189,12 @@ class PolicyConfig(PolicyOptimizerConfig):
         _component_checks(super().__post_init__)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "micro_batch_size"):
             _at_least(f"policy.{name}", getattr(self, name), 1)
+        _at_least("policy.max_tokens_per_microbatch", self.max_tokens_per_microbatch, 0)
+        if self.sequence_packing and self.context_parallel_size > 1:
+            _fail("policy.sequence_packing", self.sequence_packing,
+                  f"not with policy.context_parallel_size={self.context_parallel_size}: context parallelism shards "
+                  "each padded row in 2 x CP chunks (distributed/context_parallel.py); packed rows would need "
+                  "per-sequence THD sharding, which is not implemented; set one of them off")
 
     @property
     def model_parallel_size(self) -> int:
@@ -547,6 +560,10 @@ class TrainConfig:
                   f"({self.rollout.max_new_tokens})")
         if self.rollout.partial_max_tokens_per_step:
             _check_partial_rollouts(self)
+        if self.policy.sequence_packing and self.rollout.routing_replay != "none":
+            raise ConfigError(f"policy.sequence_packing=true with rollout.routing_replay={self.rollout.routing_replay}"
+                              ": the replayed routing is attached per padded row and token "
+                              "(harness/routing_replay.py), not yet in the packed layout; set one of them off")
 
     # ---- rules that need the world size ------------------------------------------------------
 

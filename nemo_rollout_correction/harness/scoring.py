@@ -16,6 +16,7 @@ from torch import Tensor
 
 from nemo_rollout_correction.distributed.context_parallel import shard_next_token_batch
 from nemo_rollout_correction.distributed.groups import ParallelGroups
+from nemo_rollout_correction.models.packing import PackedRows
 from nemo_rollout_correction.models.policy import MegatronPolicy
 
 __all__ = ["SequenceLogRatios", "TokenShard", "score_microbatches", "sequence_log_ratios", "shard_tokens"]
@@ -47,15 +48,19 @@ def shard_tokens(input_ids: Tensor, tokens: dict[str, Tensor], groups: ParallelG
 def score_microbatches(policy: MegatronPolicy, input_ids: list[Tensor], replay: Mapping[str, Any], *,
                        labels: list[Tensor] | None = None,
                        position_ids: list[Tensor] | None = None,
-                       starts: list[int] | None = None) -> list[Tensor] | None:
+                       starts: list[int] | None = None,
+                       packed: list[PackedRows] | None = None) -> list[Tensor] | None:
     """No-grad logprobs of every microbatch with vLLM's sampler replayed (`replay`: temperature, top_k, top_p).
 
     Without `labels` (no context parallelism): `[rows, width - 1]` next-token logprobs. With `labels` and
     `position_ids` (this CP rank's shares, from `distributed.context_parallel.shard_next_token_batch`):
     `[rows, width // cp]` logprobs of the held tokens. The last pipeline stage gets the list, the others None.
     `starts` (no CP): per microbatch the first position whose logits are computed, the logprobs before it 0
-    (`MegatronPolicy.score_microbatches`).
+    (`MegatronPolicy.score_microbatches`). `packed` (no CP): each microbatch's rows packed (`models.packing`),
+    logprobs `[rows, width - 1]` as without it.
     """
+    if packed is not None:
+        return policy.score_microbatches(input_ids, packed=packed, **replay)
     if not labels:
         return policy.score_microbatches(input_ids, starts=starts, **replay)
     return policy.score_microbatches(input_ids, labels=labels, position_ids=position_ids, **replay)

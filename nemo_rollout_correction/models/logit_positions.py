@@ -47,17 +47,27 @@ def install(model: nn.Module) -> bool:
 
     def forward(input_: Tensor, *args: Any, **kwargs: Any) -> Any:
         start = getattr(layer, _ATTR)
+        if isinstance(start, Tensor):  # packed rows: the listed positions (`models.packing`)
+            return original(input_.index_select(0, start.to(input_.device)), *args, **kwargs)
         return original(input_[start:] if start else input_, *args, **kwargs)
 
     layer.forward = forward
     return True
 
 
+def can_cut(model: nn.Module) -> bool:
+    """Whether `from_position` works on `model`: `install` wrapped its output layer, or it has none."""
+    layer = output_layer(model)
+    return layer is None or hasattr(layer, _ATTR)
+
+
 @contextlib.contextmanager
-def from_position(model: nn.Module, start: int) -> Iterator[None]:
+def from_position(model: nn.Module, start: int | Tensor) -> Iterator[None]:
     """Within the block, forwards of `model` compute logits for sequence positions `start..` only (`install`
-    first; 0 = all positions). A no-op on a pipeline stage without the output layer."""
-    layer = output_layer(model) if start else None
+    first; 0 = all positions); a `[K]` index tensor (packed rows, `models.packing`): for those positions of the
+    `[total]` sequence only, logits `[1, K, vocab / tp]`. A no-op on a pipeline stage without the output layer."""
+    cuts = isinstance(start, Tensor) or bool(start)
+    layer = output_layer(model) if cuts else None
     if layer is None:
         yield
         return
@@ -70,4 +80,4 @@ def from_position(model: nn.Module, start: int) -> Iterator[None]:
         setattr(layer, _ATTR, 0)
 
 
-__all__ = ["from_position", "install", "output_layer"]
+__all__ = ["can_cut", "from_position", "install", "output_layer"]

@@ -38,6 +38,7 @@ from nemo_rollout_correction.models.hf_llama import (
     transformer_config,
 )
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask, seed_model_parallel
+from nemo_rollout_correction.models.packing import PackedRows
 from nemo_rollout_correction.models.routing_replay import RoutingReplay, check_moe_for_replay, routing_replay_fields
 from nemo_rollout_correction.models.schedule import run_microbatches
 
@@ -190,25 +191,40 @@ class MegatronPolicy:
         return vocab_parallel_logprobs(logits, labels.to(logits.device), self.tp_group, temperature=temperature,
                                        top_k=top_k, top_p=top_p)
 
+    def packed_logprobs(self, logits: Tensor, packed: PackedRows, *, temperature: float = 1.0,
+                        top_k: int | None = None, top_p: float | None = None) -> Tensor:
+        """`[rows, width - 1]` float32 logprobs of a packed microbatch's next tokens, laid out as
+        `logprobs_from_logits` lays out the padded rows' (zeros where no logit was computed: `PackedRows.unpack`),
+        from the pack's logits `[1, K, V/tp]` (`logit_index` positions) or `[1, total, V/tp]` (all positions)."""
+        if logits.shape[1] == packed.total:
+            logits = logits[:, packed.logit_index.to(logits.device)]
+        logprobs = self.label_logprobs(logits, packed.labels, temperature=temperature, top_k=top_k, top_p=top_p)
+        return packed.unpack(logprobs)
+
     @torch.no_grad()
     def score_microbatches(self, input_ids: list[Tensor], *, labels: list[Tensor] | None = None,
                            position_ids: list[Tensor] | None = None, temperature: float = 1.0,
                            top_k: int | None = None, top_p: float | None = None,
-                           starts: list[int] | None = None) -> list[Tensor] | None:
+                           starts: list[int] | None = None,
+                           packed: list[PackedRows] | None = None) -> list[Tensor] | None:
         """No-grad logprobs per microbatch through Megatron's schedule (any TP/PP/CP layout).
 
         Without `labels`: `[rows, width - 1]`, as `token_logprobs` computes them. With `labels` (context
         parallelism: this CP rank's next-token ids, `[rows, width]`, and their `position_ids`):
         `[rows, width]` from `label_logprobs`. Every stage of a pipeline must call it with the same
         microbatches; the last stage gets the list, the other stages None. `starts` (no labels, `cuts_logits`): per
-        microbatch the first position whose logits are computed; the logprobs before it are 0.
+        microbatch the first position whose logits are computed; the logprobs before it are 0. `packed` (no
+        labels): each microbatch's rows packed (`models.packing`), logprobs as `packed_logprobs` lays them out.
         """
         out: list[Tensor] = []
         if starts is not None and (labels is not None or not self.cuts_logits) and any(starts):
             raise ValueError("starts needs next-token scoring (no labels) on a policy that cuts_logits")
 
         def hook(index: int, logits: Tensor) -> Tensor:
-            if labels is None:  # next-token shift inside the microbatch
+            if packed is not None:
+                out.append(self.packed_logprobs(logits, packed[index], temperature=temperature, top_k=top_k,
+                                                top_p=top_p))
+            elif labels is None:  # next-token shift inside the microbatch
                 start = starts[index] if starts is not None else 0
                 out.append(self.logprobs_from_logits(logits, input_ids[index], temperature=temperature, top_k=top_k,
                                                      top_p=top_p, start=start))
@@ -218,7 +234,7 @@ class MegatronPolicy:
             return logits.new_zeros(())
 
         run_microbatches(self.model, input_ids, hook, forward_only=True, position_ids=position_ids,
-                         output_starts=starts)
+                         output_starts=starts, packed=packed)
         return out if self.is_last_stage else None
 
     def hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:

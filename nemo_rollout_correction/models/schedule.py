@@ -30,8 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu, without_torch_function_modes
-from nemo_rollout_correction.models.logit_positions import from_position
+from nemo_rollout_correction.models.logit_positions import can_cut, from_position
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask
+from nemo_rollout_correction.models.packing import PackedRows
 
 LossHook = Callable[[int, Tensor], "Tensor | tuple[Tensor, Tensor | None]"]
 """`(microbatch index, logits [batch, seq, vocab / tp]) -> scalar loss` or `(loss, num_tokens)`; runs on the
@@ -49,7 +50,8 @@ def configure_schedule(model: nn.Module) -> None:
 
 def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: LossHook, *,
                      forward_only: bool, position_ids: Sequence[Tensor] | None = None,
-                     outputs: Sequence[Tensor] | None = None, output_starts: Sequence[int] | None = None) -> None:
+                     outputs: Sequence[Tensor] | None = None, output_starts: Sequence[int] | None = None,
+                     packed: Sequence[PackedRows] | None = None) -> None:
     """Forward (and unless `forward_only`, backward) every microbatch through Megatron's schedule.
 
     input_ids: one right-padded `[rows, width]` tensor per microbatch; every stage of a pipeline must
@@ -64,6 +66,10 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
         the schedule then runs no forward, and each microbatch's backward goes through the kept graph.
     output_starts: per microbatch, the first sequence position whose logits are computed
         (`models.logit_positions`, installed on the model): the loss hook then gets `[rows, width - start, ...]`.
+    packed: per microbatch its rows packed (`models.packing.PackedRows`, no CP): the forward runs on the
+        `[1, total]` pack with Megatron's THD `PackedSeqParams` instead of `input_ids`, and the loss hook gets
+        the logits `[1, K, vocab / tp]` of the pack's `logit_index` positions (all `total` positions on a model
+        whose output layer cannot cut); `output_starts` is ignored.
     Gradients accumulate into `.grad` for a bare model (the caller reduces them); for a model wrapped by
     `models.optimizer` into DDP's `main_grad` buffer, finalised (reduced, synced, divided) at the end.
     """
@@ -76,6 +82,7 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
         raise ValueError(f"{len(outputs)} precomputed outputs for {len(input_ids)} microbatches")
     positions = list(position_ids) if position_ids is not None else None
     starts = list(output_starts) if output_starts is not None else [0] * len(input_ids)
+    packs = _check_packed(packed, len(input_ids), positions)
 
     def loss_func(index: int, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
         with _compute(model):
@@ -91,11 +98,11 @@ def run_microbatches(model: nn.Module, input_ids: Sequence[Tensor], loss_hook: L
         if outputs is not None:  # forwarded beforehand (`forward_microbatches`): its graph is backpropagated
             return outputs[index], partial(loss_func, index)
         # Non-first stages ignore input_ids and take the activations Megatron set as their input.
-        return _stage_forward(stage, ids, positions[index] if positions is not None else None, starts[index]), \
-            partial(loss_func, index)
+        return _stage_forward(stage, ids, positions[index] if positions is not None else None, starts[index],
+                              packs[index] if packs is not None else None), partial(loss_func, index)
 
     schedule = get_forward_backward_func()
-    first = input_ids[0]
+    first = input_ids[0] if packs is None else packs[0].input_ids
     with cuda_to_cpu():
         schedule(forward_step_func=forward_step, data_iterator=iter(enumerate(input_ids)), model=[model],
                  num_microbatches=len(input_ids), seq_length=int(first.shape[1]),
@@ -111,11 +118,30 @@ def _compute(model: nn.Module) -> Any:
     return contextlib.nullcontext() if context_parallel else without_torch_function_modes()
 
 
-def _stage_forward(stage: nn.Module, ids: Tensor, position_ids: Tensor | None, output_start: int = 0) -> Tensor:
+def _check_packed(packed: Sequence[PackedRows] | None, num: int,
+                  positions: Sequence[Tensor] | None) -> list[PackedRows] | None:
+    if packed is None:
+        return None
+    if len(packed) != num:
+        raise ValueError(f"{len(packed)} packs for {num} microbatches")
+    if positions:
+        raise ValueError("packed rows and context-parallel position_ids cannot be combined")
+    return list(packed)
+
+
+def _stage_forward(stage: nn.Module, ids: Tensor, position_ids: Tensor | None, output_start: int = 0,
+                   packed: PackedRows | None = None) -> Tensor:
     """One microbatch's forward through `stage` (`[rows, width]` ids; CP: this rank's `[width]` positions), as the
     schedule runs it: positions `0..width-1` and a causal mask without CP, Megatron's CP layout with it; logits
-    from sequence position `output_start` on (`models.logit_positions`)."""
+    from sequence position `output_start` on (`models.logit_positions`). With `packed` the forward runs on the
+    pack instead (`run_microbatches`)."""
     device = next(stage.parameters()).device
+    if packed is not None:
+        packed = packed.to(device)
+        index: Tensor | int = packed.logit_index if can_cut(stage) else 0
+        with _compute(stage), from_position(stage, index):
+            return stage(input_ids=packed.input_ids, position_ids=packed.position_ids,  # type: ignore[no-any-return]
+                         attention_mask=None, packed_seq_params=packed.packed_seq_params())
     ids = ids.to(device)
     rows, width = ids.shape
     pos = position_ids.to(device) if position_ids is not None else torch.arange(width, device=device)
@@ -128,7 +154,8 @@ def _stage_forward(stage: nn.Module, ids: Tensor, position_ids: Tensor | None, o
 
 def forward_microbatches(model: nn.Module, input_ids: Sequence[Tensor], *,
                          position_ids: Sequence[Tensor] | None = None,
-                         output_starts: Sequence[int] | None = None) -> list[Tensor]:
+                         output_starts: Sequence[int] | None = None,
+                         packed: Sequence[PackedRows] | None = None) -> list[Tensor]:
     """Each microbatch's logits `[rows, width, vocab / tp]` with gradient, forwarded exactly as `run_microbatches`
     forwards them, for a later `run_microbatches(..., outputs=...)` to backpropagate (PP = 1 only: a pipeline
     stage's forward needs the schedule's activation exchange).
@@ -142,8 +169,10 @@ def forward_microbatches(model: nn.Module, input_ids: Sequence[Tensor], *,
         raise ValueError("forward_microbatches needs pipeline_model_parallel_size = 1")
     positions = list(position_ids) if position_ids is not None else None
     starts = list(output_starts) if output_starts is not None else [0] * len(input_ids)
+    packs = _check_packed(packed, len(input_ids), positions)
     with cuda_to_cpu():
-        return [_stage_forward(model, ids, positions[i] if positions is not None else None, starts[i])
+        return [_stage_forward(model, ids, positions[i] if positions is not None else None, starts[i],
+                               packs[i] if packs is not None else None)
                 for i, ids in enumerate(input_ids)]
 
 

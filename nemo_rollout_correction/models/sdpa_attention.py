@@ -14,9 +14,10 @@ shapes it takes about half the time of the unfused module for forward plus backw
 scale and head counts) and replaces only the attention math. Same result up to fp32 rounding: the masked
 scores get probability exactly 0 in both (exp(-10000 - max) underflows to 0 in fp32; the fused kernel skips
 them), and no row is fully masked under a causal mask. Where the fused kernel cannot reproduce the module
-(attention dropout during training, a sliding window, a softmax offset, query-key layer scaling, packed
-sequences, an attention bias) it calls the parent's forward. `fused = False` on an instance does the same
-(the benchmark's and the tests' A/B switch).
+(attention dropout during training, a sliding window, a softmax offset, query-key layer scaling, an attention
+bias) it calls the parent's forward. `fused = False` on an instance does the same (the benchmark's and the
+tests' A/B switch). Packed rows (Megatron's THD layout, `models.packing`), which the parent refuses, get causal
+attention within each row (`_packed`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
 
     def _fusable(self, attention_bias: Tensor | None, packed_seq_params: Any) -> bool:
         config = self.config
-        return (self.fused and attention_bias is None and packed_seq_params is None
+        return (attention_bias is None and packed_seq_params is None
                 and self.softmax_offset is None and not config.apply_query_key_layer_scaling
                 and self.scale_mask_softmax.window_size is None
                 and not (self.training and self.attention_dropout.p > 0))
@@ -62,8 +63,11 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
                 attn_mask_type: Any = None, attention_bias: Tensor | None = None,
                 packed_seq_params: Any = None) -> Tensor:
         """query `[sq, b, np, hn]`, key/value `[sk, b, ng, hn]`, mask `[1|b, 1, sq, sk]` (True = masked) or None
-        -> context `[sq, b, np * hn]`."""
-        if not self._fusable(attention_bias, packed_seq_params):
+        -> context `[sq, b, np * hn]`. Packed rows (`packed_seq_params` THD): query `[t, np, hn]`, key/value
+        `[t, ng, hn]` -> `[t, np * hn]`, causal within each row (`_packed`)."""
+        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd":
+            return self._packed(query, key, value, attention_bias, packed_seq_params)
+        if not (self.fused and self._fusable(attention_bias, packed_seq_params)):
             out: Tensor = super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                           attention_bias=attention_bias, packed_seq_params=packed_seq_params)
             return out
@@ -84,6 +88,31 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
                                                  enable_gqa=k.shape[1] != q.shape[1], **mask_kwargs)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, query.shape[1], self.hidden_size_per_partition)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, attention_bias: Tensor | None,
+                packed_seq_params: Any) -> Tensor:
+        """Causal attention within each packed row (`models.packing`): one fused call per row, so no query ever
+        sees another row's keys and each row computes exactly what its padded forward computes (the padded
+        batch's causal mask hides a row's padding from its real tokens). Megatron's own `DotProductAttention`
+        refuses packed rows; the settings the fused kernel cannot reproduce are refused here too."""
+        if not self._fusable(attention_bias, None):
+            raise ValueError("packed sequences (policy.sequence_packing) on the local layer spec need plain causal "
+                             "attention: no attention dropout while training, sliding window, softmax offset, "
+                             "query-key layer scaling or attention bias")
+        cu_q, cu_k = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        if not torch.equal(cu_q, cu_k):
+            raise ValueError("packed attention needs the same row boundaries for queries and keys")
+        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        gqa = key.shape[1] != query.shape[1]
+        contexts = []
+        # [t, heads, hn] -> per row [1, heads, len, hn]
+        rows = zip(torch.split(query, lengths), torch.split(key, lengths), torch.split(value, lengths), strict=True)
+        for q, k, v in rows:
+            q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=self.softmax_scale, is_causal=True,
+                                                 enable_gqa=gqa)
+            contexts.append(out.squeeze(0).permute(1, 0, 2))  # [len, np, hn]
+        return torch.cat(contexts).reshape(query.shape[0], self.hidden_size_per_partition)
 
 
 __all__ = ["SdpaDotProductAttention"]

@@ -8,7 +8,9 @@ handed; it does not touch the engines, the sampler, metrics files or checkpoints
 
 Each phase leaves an immutable record (one job each, nothing filled in later):
 
-- `Microbatch`: the cut (this dp rank's rows, trimmed to the longest, this CP rank's share of the tokens);
+- `Microbatch`: the cut (this dp rank's rows, trimmed to the longest, this CP rank's share of the tokens; with
+  `policy.sequence_packing` also packed for the forward, the logprobs unpacked back to `[rows, width - 1]`, so
+  every later consumer reads the padded layout; `policy.max_tokens_per_microbatch` fills them by tokens);
 - `Scored`: the no-grad passes before the step's first update (`score`);
 - `MicrobatchPass`: what the loss pass computed for one microbatch (its logprobs; loglinear pi_old);
 - `Update`: one optimizer update (its plan, reduced statistics, what the optimizer did, its passes).
@@ -58,6 +60,7 @@ from nemo_rollout_correction.losses.step_plan import (
     plan_step,
 )
 from nemo_rollout_correction.models.optimizer import OptimizerSettings, UpdateResult, build_policy_optimizer
+from nemo_rollout_correction.models.packing import PackedRows
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.schedule import forward_microbatches, run_microbatches
 from nemo_rollout_correction.rollout.partial import max_token_staleness, staleness_mismatch_sums
@@ -70,6 +73,8 @@ __all__ = [
     "Scored",
     "Update",
     "first_loss_position",
+    "microbatch_rows",
+    "row_loss_starts",
     "train_rows",
 ]
 
@@ -96,6 +101,7 @@ class Microbatch:
     segments: Segments | None = None  # multi-turn: the turn of each token (core/segments.py), this CP rank's share
     token_staleness: Tensor | None = None  # async / partial rollouts: per token, steps since its version (-1: none)
     logit_start: int = 0  # the first position whose logits are computed: none before it is in loss_mask
+    packed: PackedRows | None = None  # policy.sequence_packing: the rows packed for the forward (models/packing.py)
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,69 @@ def first_loss_position(loss_mask: Tensor) -> int:
     before it are never read (`Microbatch.logit_start`)."""
     columns = loss_mask.any(0).nonzero()
     return int(columns[0, 0]) if len(columns) else 0
+
+
+def row_loss_starts(loss_mask: Tensor) -> Tensor:
+    """`[rows]`: per row of `loss_mask` (`[rows, seq]`) its first column in the loss, 0 for a row without one."""
+    first = loss_mask.to(torch.int8).argmax(-1)
+    return torch.where(loss_mask.any(-1), first, torch.zeros_like(first))
+
+
+def _bin_cost(lengths: list[int], packed: bool) -> int:
+    """Tokens a microbatch of rows with these lengths computes: their sum packed, rows x longest padded."""
+    return sum(lengths) if packed else len(lengths) * max(lengths, default=0)
+
+
+def _token_bins(rows: list[int], lengths: Tensor, budget: int, packed: bool) -> list[list[int]]:
+    """First-fit decreasing: rows longest first, each into the first microbatch it fits in (`_bin_cost` <=
+    `budget`), else a new one (a row longer than the budget is a microbatch of its own)."""
+    bins: list[list[int]] = []
+    for row in sorted(rows, key=lambda r: (-int(lengths[r]), r)):
+        for members in bins:
+            if _bin_cost([int(lengths[r]) for r in [*members, row]], packed) <= budget:
+                members.append(row)
+                break
+        else:
+            bins.append([row])
+    return bins
+
+
+def _split_to(bins: list[list[int]], count: int, lengths: Tensor, packed: bool) -> list[list[int]]:
+    """`bins` split until there are `count`: the costliest microbatch of several rows is halved each time."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        splittable = [b for b in bins if len(b) > 1]
+        if not splittable:
+            raise ValueError(
+                f"policy.max_tokens_per_microbatch: another data-parallel rank needs {count} microbatches, more than "
+                f"this rank's {sum(len(b) for b in bins)} rows (every rank must run the same number); raise "
+                "policy.max_tokens_per_microbatch")
+        widest = max(splittable, key=lambda b: _bin_cost([int(lengths[r]) for r in b], packed))
+        bins.remove(widest)
+        half = len(widest) // 2
+        bins += [widest[:half], widest[half:]]
+    return bins
+
+
+def microbatch_rows(samples: Tensor, lengths: Tensor, *, dp_size: int, dp_rank: int, micro_batch_size: int,
+                    max_tokens: int = 0, packed: bool = False) -> list[Tensor]:
+    """The rows (indices into the step's samples) of each of dp rank `dp_rank`'s microbatches of one mini-batch.
+
+    Its rows are its contiguous slice of `samples`. `max_tokens = 0`: `micro_batch_size` rows each, in order.
+    `max_tokens > 0` (`policy.max_tokens_per_microbatch`): filled by tokens (`_token_bins`; `lengths` `[samples]`
+    are every sample's prompt + response tokens). Every dp rank must run as many microbatches (Megatron's
+    schedule and DDP's gradient reduction pair them up): each rank plans every rank's slice (all hold the step's
+    lengths, so no communication), and splits its own microbatches until it has as many as the rank with the
+    most. Rows keep their order inside a microbatch; microbatches are ordered by their first row.
+    """
+    slices = torch.tensor_split(samples, dp_size)
+    mine = slices[dp_rank]
+    if max_tokens <= 0:
+        return [mine[start:start + micro_batch_size] for start in range(0, len(mine), micro_batch_size)]
+    plans = [_token_bins(part.tolist(), lengths, max_tokens, packed) for part in slices]
+    bins = _split_to(plans[dp_rank], max(len(p) for p in plans), lengths, packed)
+    ordered = sorted((sorted(b) for b in bins), key=lambda b: b[0])
+    return [torch.tensor(b, dtype=samples.dtype) for b in ordered]
 
 
 def train_rows(num_samples: int, num_mini_batches: int, dp_size: int, dp_rank: int) -> Tensor:
@@ -216,13 +285,16 @@ class PolicyUpdate:
                 for part in torch.tensor_split(samples, self.cfg.grpo.num_mini_batches)]
 
     def _microbatches(self, tensors: dict[str, Tensor], advantages: Tensor, samples: Tensor) -> list[Microbatch]:
-        """This dp rank's contiguous slice of `samples`, cut into microbatches trimmed to their longest row."""
-        rows = torch.tensor_split(samples, self.groups.dp_size)[self.groups.dp_rank]
-        size = self.cfg.policy.micro_batch_size
+        """This dp rank's contiguous slice of `samples`, cut into microbatches (`microbatch_rows`) trimmed to their
+        longest row; with `policy.sequence_packing` each also carries its rows packed for the forward."""
+        policy_cfg = self.cfg.policy
+        all_lengths = tensors["prompt_lengths"] + tensors["response_lengths"]
         out = []
-        for start in range(0, len(rows), size):
-            idx = rows[start : start + size]
-            lengths = tensors["prompt_lengths"][idx] + tensors["response_lengths"][idx]
+        for idx in microbatch_rows(samples, all_lengths, dp_size=self.groups.dp_size, dp_rank=self.groups.dp_rank,
+                                   micro_batch_size=policy_cfg.micro_batch_size,
+                                   max_tokens=policy_cfg.max_tokens_per_microbatch,
+                                   packed=policy_cfg.sequence_packing):
+            lengths = all_lengths[idx]
             width = int(lengths.max())
             input_ids = tensors["input_ids"][idx, :width]
             rollout_logprobs = tensors["rollout_logprobs"][idx, : width - 1]
@@ -238,13 +310,17 @@ class PolicyUpdate:
             routing_replay.attach_microbatch(self.policy, tensors, idx, input_ids, position_ids)
             # no CP (positions in order): the output layer and the log-softmax skip the prompt positions no loss reads
             logit_start = first_loss_position(loss_mask) if labels is None and self.policy.cuts_logits else 0
+            packed = None
+            if policy_cfg.sequence_packing:  # CP refuses packing (config/schema.py): the rows are whole here
+                packed = PackedRows.of(input_ids, lengths, row_loss_starts(loss_mask))
+                logit_start = 0
             mb = Microbatch(
                 input_ids=input_ids, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask,
                 advantages=advantages[idx], rows=idx, labels=labels, position_ids=position_ids,
                 staleness=tensors["staleness"][idx] if "staleness" in tensors else None,
                 segments=(Segments(shard.tokens["turn_index"], self.cfg.rollout.max_turns)
                           if "turn_index" in shard.tokens else None),
-                token_staleness=shard.tokens.get("token_staleness"), logit_start=logit_start,
+                token_staleness=shard.tokens.get("token_staleness"), logit_start=logit_start, packed=packed,
             )
             out.append(tensor_fields_to(mb, self.policy.device, keep=("rows",)))  # rows index host tensors
         return out
@@ -313,7 +389,13 @@ class PolicyUpdate:
         positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
         starts = [mb.logit_start for mb in microbatches] if policy.cuts_logits and not labels else None
         return score_microbatches(policy, [mb.input_ids for mb in microbatches], self.replay, labels=labels,
-                                  position_ids=positions, starts=starts)
+                                  position_ids=positions, starts=starts, packed=self._packs(microbatches))
+
+    @staticmethod
+    def _packs(microbatches: Sequence[Microbatch]) -> list[PackedRows] | None:
+        """Every microbatch's packed rows (`policy.sequence_packing`), else None."""
+        packs = [mb.packed for mb in microbatches if mb.packed is not None]
+        return packs if packs and len(packs) == len(microbatches) else None
 
     # ---- one update -----------------------------------------------------------------------------------------
 
@@ -349,11 +431,15 @@ class PolicyUpdate:
         positions = [mb.position_ids for mb in microbatches if mb.position_ids is not None]
         logits = forward_microbatches(self.optim.module, [mb.input_ids for mb in microbatches],
                                       position_ids=positions or None,
-                                      output_starts=[mb.logit_start for mb in microbatches])
+                                      output_starts=[mb.logit_start for mb in microbatches],
+                                      packed=self._packs(microbatches))
         return [self._logprobs(mb, out) for mb, out in zip(microbatches, logits, strict=True)]
 
     def _logprobs(self, mb: Microbatch, logits: Tensor) -> Tensor:
-        """`[rows, local_seq]` logprobs of the microbatch's tokens from its logits (next-token shift, or CP labels)."""
+        """`[rows, local_seq]` logprobs of the microbatch's tokens from its logits (next-token shift, CP labels, or
+        the packed rows' logits unpacked)."""
+        if mb.packed is not None:
+            return self.policy.packed_logprobs(logits, mb.packed, **self.replay)
         if mb.labels is None:
             return self.policy.logprobs_from_logits(logits, mb.input_ids, start=mb.logit_start, **self.replay)
         return self.policy.label_logprobs(logits, mb.labels, **self.replay)
@@ -404,7 +490,7 @@ class PolicyUpdate:
         run_microbatches(self.optim.module, [mb.input_ids for mb in microbatches], loss_hook,
                          forward_only=False, position_ids=positions or None,
                          outputs=list(logprobs) if logprobs is not None else None,
-                         output_starts=[mb.logit_start for mb in microbatches])
+                         output_starts=[mb.logit_start for mb in microbatches], packed=self._packs(microbatches))
         return stats, tuple(passes[i] for i in sorted(passes))
 
     def _microbatch_loss(self, mb: Microbatch, scored: Scored, plan: StepPlan, i: int, index: int,
