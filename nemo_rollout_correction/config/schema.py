@@ -24,6 +24,7 @@ from nemo_rollout_correction.config.mismatch_alert import RolloutCorrectionSecti
 from nemo_rollout_correction.core.aggregation import LossAggMode
 from nemo_rollout_correction.core.dapo import DapoConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
+from nemo_rollout_correction.models.lora import LoraConfig
 from nemo_rollout_correction.models.optimizer import PolicyOptimizerConfig
 from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
 from nemo_rollout_correction.rollout.options import ROLLOUT_DTYPES, RolloutDtype
@@ -177,6 +178,8 @@ class PolicyConfig(PolicyOptimizerConfig):
     micro_batch_size: int = _f(8, "Sequences per microbatch on one data-parallel rank.")
     # ---- precision knobs (issue 14) ----
     lm_head_fp32: bool = _f(False, "Compute the output layer and logprobs in fp32 under a bf16 policy (no-op in fp32).")
+    lora: LoraConfig = field(default_factory=LoraConfig,
+                             metadata={"help": "LoRA adapters (docs/training.md, LoRA); rank 0 trains all weights."})
 
     def __post_init__(self) -> None:
         _component_checks(super().__post_init__)
