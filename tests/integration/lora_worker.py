@@ -182,3 +182,54 @@ def adam_step_equals_dense(rank: int, world_size: int, hf_dir: str) -> dict[str,
         return {"expected": expected, "after": after, "merged": merged, "by_hand": by_hand, "stats": lora_stats}
     finally:
         ps.destroy_model_parallel()
+
+
+def _trained(hf_dir: str, tp: int, b_seed: int, rank: int = 8, alpha: float = 16.0) -> Any:
+    """A LoRA policy whose B is seeded noise (a "trained" adapter: the base model is visibly changed)."""
+    from nemo_rollout_correction.models.lora import adapters
+
+    policy = _policy(hf_dir, tp, rank=rank, alpha=alpha)
+    with torch.no_grad():
+        for name, adapter in adapters(policy.model):
+            gen = torch.Generator().manual_seed(b_seed * 1000 + sum(map(ord, name)))
+            adapter.b.copy_(0.02 * torch.randn(adapter.b.shape, generator=gen))
+    return policy
+
+
+def adapter_versions(rank: int, world_size: int, hf_dir: str, b_seeds: list[int], export_dir: str) -> list[Any]:
+    """Per B seed, the PEFT adapter tensors (the refit payload); the last seed's adapter exported as a PEFT
+    directory (`export_dir/adapter`) and as merged Hugging Face weights (`export_dir/merged`)."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_rollout_correction.models.lora import LoraConfig
+    from nemo_rollout_correction.models.lora_export import write_peft_adapter
+
+    try:
+        versions, policy = [], None
+        for seed in b_seeds:
+            ps.destroy_model_parallel()
+            policy = _trained(hf_dir, 1, seed)
+            versions.append(policy.hf_adapter_state_dict())
+        assert policy is not None
+        write_peft_adapter(f"{export_dir}/adapter", versions[-1], LoraConfig(rank=8, alpha=16.0), hf_dir)
+        policy.save_hf(f"{export_dir}/merged")
+        return versions
+    finally:
+        ps.destroy_model_parallel()
+
+
+def score(rank: int, world_size: int, hf_dir: str, jobs: list[tuple[int | None, torch.Tensor]]) -> list[torch.Tensor]:
+    """Per (B seed, sequences `[rows, width]`): the trainer's logprobs `[rows, width - 1]` under that seed's adapter
+    (None: the base model)."""
+    from megatron.core import parallel_state as ps
+
+    out = []
+    try:
+        for b_seed, sequences in jobs:
+            ps.destroy_model_parallel()
+            policy = _trained(hf_dir, 1, b_seed) if b_seed is not None else _policy(hf_dir, 1, rank=0)
+            with torch.no_grad():
+                out.append(policy.token_logprobs(sequences).detach())
+        return out
+    finally:
+        ps.destroy_model_parallel()
