@@ -57,6 +57,8 @@ LauncherName = Literal["local", "slurm"]
 LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)
 RoutingReplayMode = Literal["none", "r3"]
 StalePolicy = Literal["drop", "wait"]
+LoraSync = Literal["adapter", "merged"]
+"""`rollout.lora_sync`: what a LoRA policy pushes to the engine at every weight sync."""
 
 SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 """Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (the one rule for `launcher.time`)."""
@@ -241,6 +243,8 @@ class RolloutConfig:
                                           "unfinished responses carry over and continue under the next weights "
                                           "(every token records its version). 0 turns it off; else < max_new_tokens.")
 
+    lora_sync: LoraSync = _f("adapter", "With policy.lora: adapter pushes only the adapter to the engine, which "
+                             "serves base + adapter (vLLM LoRA); merged pushes W + alpha/r B A as full weights.")
     # ---- recorded rollouts (issue 22; rollout/replay.py) ----
     source: str = _f("vllm", "Where rollouts come from: vllm (the engine), or replay:<dir>, the rollouts a run with "
                      "rollout.record_dir=<dir> and the same settings recorded (no vLLM needed).")
@@ -252,6 +256,8 @@ class RolloutConfig:
             _fail("rollout.source", self.source, "use vllm or replay:<dir of recorded rollouts>")
         if self.source != "vllm" and self.record_dir:
             _fail("rollout.record_dir", self.record_dir, "a replayed run records nothing: set rollout.record_dir=null")
+        if self.lora_sync not in get_args(LoraSync):
+            _fail("rollout.lora_sync", self.lora_sync, f"allowed: {list(get_args(LoraSync))}")
         if self.placement not in ROLLOUT_PLACEMENTS:
             _fail("rollout.placement", self.placement, f"allowed: {list(ROLLOUT_PLACEMENTS)}")
         _at_least("rollout.max_model_len", self.max_model_len, 2)

@@ -236,6 +236,20 @@ def _attach(linear: nn.Module, adapter: LoraAdapter) -> None:
 
     linear.forward = forward
 
+    # Checkpoints: Megatron's linear marks only `weight` (and a column bias) as TP-sharded and would save every
+    # other entry of its state dict, the adapters included, as replicated: one TP rank's B (column) or A (row)
+    # shard would stand for all. The adapter's sharded tensor is declared along W's TP axis.
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    axes = {"weight": 1, "lora.a": 1} if adapter.kind == "row" else {"weight": 0, "bias": 0, "lora.b": 0}
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: Any = (), metadata: Any = None) -> Any:
+        state = linear.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, tp_group=linear.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+    linear.sharded_state_dict = sharded_state_dict  # type: ignore[assignment]
+
 
 def adapter_of(model: nn.Module, param_name: str) -> LoraAdapter | None:
     """The adapter attached to the linear owning weight `param_name` (`….linear_qkv.weight`), else None."""
