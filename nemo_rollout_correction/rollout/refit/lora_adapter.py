@@ -89,7 +89,9 @@ class LoraAdapterRefit(RefitPath):
         from vllm.lora.request import LoRARequest
 
         start = time.perf_counter()
-        state = {name: tensor.detach().to("cpu") for name, tensor in named_tensors}
+        # in the engine's dtype, as the full refit's buffer: vLLM casts the adapter to it on load anyway
+        dtype = getattr(torch, engine.options.dtype)
+        state = {name: tensor.detach().to("cpu", dtype) for name, tensor in named_tensors}
         if not state or not all(name.endswith((_A, _B)) for name in state):
             bad = next((n for n in state if not n.endswith((_A, _B))), None)
             raise ValueError(f"the LoRA adapter refit takes PEFT adapter tensors (*.lora_A/B.weight), got {bad!r}"
@@ -137,7 +139,7 @@ class LoraAdapterRefit(RefitPath):
                                      f"{exc}") from exc
         scale = engine.options.lora_alpha / engine.options.lora_rank
         dtype = getattr(torch, engine.options.dtype)
-        checked, current = 0, {}
+        checked, current = 0, {}  # (the pushed tensors are already in the engine's dtype)
         for worker, answer in enumerate(answers):
             if answer is None:
                 raise RefitVerificationError(f"refit verification failed on {engine.name} (worker {worker}): the "
