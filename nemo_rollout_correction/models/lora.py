@@ -212,7 +212,8 @@ def apply_lora(model: nn.Module, config: LoraConfig, *, seed: int = 1234) -> lis
         adapter = LoraAdapter("row" if row else "column", _seeded_a(seed, global_name, config.rank, in_full),
                               out_local, scale=config.scale, dropout=config.dropout, tp_group=linear.tp_group,
                               dtype=weight.dtype, device=weight.device)
-        _attach(linear, adapter)
+        gated = target == "linear_fc1" and bool(getattr(model_config, "gated_linear_unit", False))
+        _attach(linear, adapter, gated=gated)
         attached.append(name)
     if not attached:
         raise ValueError(f"policy.lora.target_modules={list(config.target_modules)} matched no linear of the model")
@@ -225,8 +226,11 @@ def linear_layer_number(model: nn.Module, module_name: str) -> int:
     return int(layer.layer_number) - 1
 
 
-def _attach(linear: nn.Module, adapter: LoraAdapter) -> None:
-    """Register `adapter` as `linear.lora` and add its output to the linear's (Megatron returns (out, bias))."""
+def _attach(linear: nn.Module, adapter: LoraAdapter, *, gated: bool = False) -> None:
+    """Register `adapter` as `linear.lora` and add its output to the linear's (Megatron returns (out, bias)).
+
+    `gated`: a SwiGLU `linear_fc1`, whose rows are each rank's `[gate_r; up_r]`: its B is checkpointed with the
+    same split into gate and up as W (Megatron's `MLP.sharded_state_dict` does it for W and the bias only)."""
     linear.lora = adapter
     original = linear.forward
 
@@ -244,9 +248,15 @@ def _attach(linear: nn.Module, adapter: LoraAdapter) -> None:
     axes = {"weight": 1, "lora.a": 1} if adapter.kind == "row" else {"weight": 0, "bias": 0, "lora.b": 0}
 
     def sharded_state_dict(prefix: str = "", sharded_offsets: Any = (), metadata: Any = None) -> Any:
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
         state = linear.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, tp_group=linear.tp_group,
-                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        out = make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, tp_group=linear.tp_group,
+                                                  dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        if gated:
+            out[f"{prefix}lora.b"] = apply_swiglu_sharded_factory(
+                out[f"{prefix}lora.b"], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+        return out
 
     linear.sharded_state_dict = sharded_state_dict  # type: ignore[assignment]
 

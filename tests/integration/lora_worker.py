@@ -233,3 +233,40 @@ def score(rank: int, world_size: int, hf_dir: str, jobs: list[tuple[int | None, 
         return out
     finally:
         ps.destroy_model_parallel()
+
+
+def save_at_tp(rank: int, world_size: int, hf_dir: str, tp: int, step_dir: str) -> dict[str, torch.Tensor]:
+    """A "trained" LoRA policy at TP = `tp` saved as a checkpoint (model only); returns its PEFT adapter tensors."""
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+
+    from nemo_rollout_correction.distributed.runtime import barrier
+    from nemo_rollout_correction.trainer import checkpoint as ckpt
+
+    try:
+        policy = _trained(hf_dir, tp, 5)
+        ckpt.save_checkpoint(Path(step_dir), policy.model, None, rank=rank, save_optimizer=False)
+        if rank == 0:
+            ckpt.write_meta(Path(step_dir), {"step": 1, "has_optimizer": False,
+                                             "layout": ckpt.current_layout(use_distributed_optimizer=False)})
+        barrier()
+        return policy.hf_adapter_state_dict()
+    finally:
+        ps.destroy_model_parallel()
+
+
+def load_at_tp(rank: int, world_size: int, hf_dir: str, tp: int, step_dir: str) -> dict[str, torch.Tensor]:
+    """A fresh LoRA policy (B = 0) at TP = `tp` with the checkpoint's weights loaded; its PEFT adapter tensors."""
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+
+    from nemo_rollout_correction.trainer import checkpoint as ckpt
+
+    try:
+        policy = _policy(hf_dir, tp, rank=8, alpha=16.0)
+        ckpt.load_model_weights(Path(step_dir), policy.model)
+        return policy.hf_adapter_state_dict()
+    finally:
+        ps.destroy_model_parallel()
