@@ -24,7 +24,7 @@ require("vllm", "cpu")
 
 from nrc_cli import TINY_FAST, cli_env, read_metrics
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]  # each run ~2-5 min on this shared 2-core machine
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # the 3 tests: 4 min at load 5, 14 min at load 35 here
 
 LORA = [*TINY_FAST, "policy.lora.rank=8", "tracking.enabled=false", "checkpoint.every_n_steps=2"]
 
