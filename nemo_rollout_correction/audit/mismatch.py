@@ -454,7 +454,10 @@ def run_audit(
         engine_dists = None
         if runtime.is_main:
             log(f"[nrc audit] starting vLLM ({engine_dtype}) on {hf_dir}")
-            options = engine_options(cfg, str(hf_dir), engine_dtype)
+            # policy.lora: a fresh adapter is zero (B = 0), so the audit measures the base model on a plain engine
+            # (vLLM 0.32's prompt logprobs, which the probes read, fail on a LoRA engine on CPU); the unmerged
+            # adapter's own mismatch: benchmarks/bench_lora_mismatch.py (docs/audit.md, LoRA)
+            options = dataclasses.replace(engine_options(cfg, str(hf_dir), engine_dtype), lora_rank=0)
             if single and top_k != 0:  # vLLM caps logprobs per position at max_logprobs (default 20)
                 options = dataclasses.replace(options, extra={**options.extra,
                                                               "max_logprobs": -1 if top_k < 0 else max(top_k, 20)})

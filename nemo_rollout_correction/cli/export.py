@@ -9,6 +9,9 @@ one line naming it, exit 1, before any model is built); then `models.hf_export.e
 directory (config, sharded safetensors with an index above `--max-shard-size`, tokenizer and chat template,
 generation config), atomically.
 
+A LoRA run (`policy.lora.rank` > 0) exports its merged model `W + alpha/r B A` by default; `--adapter` writes
+only the adapter in PEFT form (`adapter_config.json` naming the base model + `adapter_model.safetensors`).
+
 `<run-dir-or-checkpoint>` is a step directory (`.../checkpoints/step_<N>`, holding `meta.json`), a
 checkpoint directory (its newest complete step), or a run directory (`<run>/checkpoints`, newest step).
 """
@@ -99,10 +102,12 @@ def run_export(args: argparse.Namespace) -> int:
         from nemo_rollout_correction.models.sources import resolve_model_source
 
         hf_dir = resolve_model_source(cfg.model.source)
-        policy = MegatronPolicy.from_hf(hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed)
+        policy = MegatronPolicy.from_hf(hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed, lora=cfg.policy.lora)
         print("[nrc export] policy built at world size 1; loading the checkpoint's weights", file=sys.stderr,
               flush=True)
         ckpt.load_model_weights(checkpoint, policy.model)  # layout-free: any saved TP/PP/CP/DP
+        if args.adapter:
+            return _export_adapter(policy, cfg, out, dtype)
         export_hf(policy, out, runtime.groups, dtype=dtype, max_shard_size=max_shard_size, source_dir=hf_dir)
     except (ValueError, FileNotFoundError, CorruptCheckpointError) as exc:
         print(f"nrc export: {_one_line(exc)}", file=sys.stderr)
@@ -112,6 +117,24 @@ def run_export(args: argparse.Namespace) -> int:
     summary = exported_files(out)
     print(f"[nrc export] wrote {out} ({dtype}, {len(summary['weights'])} safetensors file(s), "
           f"{summary['weight_bytes'] / 1e6:.1f} MB of weights)", file=sys.stderr, flush=True)
+    return 0
+
+
+def _export_adapter(policy: Any, cfg: Any, out: Path, dtype: str) -> int:
+    """`--adapter`: the LoRA adapter alone in PEFT form (`models.lora_export`), naming the run's base model."""
+    import torch
+
+    from nemo_rollout_correction.models.lora_export import write_peft_adapter
+
+    if not policy.lora:
+        print("nrc export: --adapter needs a checkpoint of a LoRA run (policy.lora.rank > 0); this run trained all "
+              "weights: export the full model without --adapter", file=sys.stderr)
+        return EXIT_USAGE
+    tensors = policy.hf_adapter_state_dict(dtype=getattr(torch, dtype))
+    write_peft_adapter(out, tensors, cfg.policy.lora, cfg.model.source)
+    print(f"[nrc export] wrote the LoRA adapter (PEFT: adapter_config.json, adapter_model.safetensors) to {out}: "
+          f"{len(tensors)} tensors, {sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6:.2f} MB, "
+          f"base model {cfg.model.source}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -130,6 +153,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         help="weights dtype (default: the run's export.dtype, float32 unless set)")
     parser.add_argument("--max-shard-size", default=None,
                         help="largest safetensors file, e.g. 5GB (default: the run's export.max_shard_size)")
+    parser.add_argument("--adapter", action="store_true",
+                        help="LoRA runs: write only the adapter in PEFT form (adapter_config.json + "
+                             "adapter_model.safetensors; vLLM's LoRARequest and PEFT load it) instead of the "
+                             "merged model")
     parser.set_defaults(func=run_export)
 
 

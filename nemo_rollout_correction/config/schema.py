@@ -24,6 +24,7 @@ from nemo_rollout_correction.config.mismatch_alert import RolloutCorrectionSecti
 from nemo_rollout_correction.core.aggregation import LossAggMode
 from nemo_rollout_correction.core.dapo import DapoConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
+from nemo_rollout_correction.models.lora import LoraConfig
 from nemo_rollout_correction.models.optimizer import PolicyOptimizerConfig
 from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
 from nemo_rollout_correction.rollout.options import ROLLOUT_DTYPES, RolloutDtype
@@ -56,6 +57,8 @@ LauncherName = Literal["local", "slurm"]
 LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)
 RoutingReplayMode = Literal["none", "r3"]
 StalePolicy = Literal["drop", "wait"]
+LoraSync = Literal["adapter", "merged"]
+"""`rollout.lora_sync`: what a LoRA policy pushes to the engine at every weight sync."""
 
 SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 """Slurm --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (the one rule for `launcher.time`)."""
@@ -184,6 +187,8 @@ class PolicyConfig(PolicyOptimizerConfig):
                                         "rows sorted by length; 0 = off (policy.micro_batch_size rows each).")
     # ---- precision knobs (issue 14) ----
     lm_head_fp32: bool = _f(False, "Compute the output layer and logprobs in fp32 under a bf16 policy (no-op in fp32).")
+    lora: LoraConfig = field(default_factory=LoraConfig,
+                             metadata={"help": "LoRA adapters (docs/training.md, LoRA); rank 0 trains all weights."})
 
     def __post_init__(self) -> None:
         _component_checks(super().__post_init__)
@@ -251,6 +256,8 @@ class RolloutConfig:
                                           "unfinished responses carry over and continue under the next weights "
                                           "(every token records its version). 0 turns it off; else < max_new_tokens.")
 
+    lora_sync: LoraSync = _f("adapter", "With policy.lora: adapter pushes only the adapter to the engine, which "
+                             "serves base + adapter (vLLM LoRA); merged pushes W + alpha/r B A as full weights.")
     # ---- recorded rollouts (issue 22; rollout/replay.py) ----
     source: str = _f("vllm", "Where rollouts come from: vllm (the engine), or replay:<dir>, the rollouts a run with "
                      "rollout.record_dir=<dir> and the same settings recorded (no vLLM needed).")
@@ -262,6 +269,8 @@ class RolloutConfig:
             _fail("rollout.source", self.source, "use vllm or replay:<dir of recorded rollouts>")
         if self.source != "vllm" and self.record_dir:
             _fail("rollout.record_dir", self.record_dir, "a replayed run records nothing: set rollout.record_dir=null")
+        if self.lora_sync not in get_args(LoraSync):
+            _fail("rollout.lora_sync", self.lora_sync, f"allowed: {list(get_args(LoraSync))}")
         if self.placement not in ROLLOUT_PLACEMENTS:
             _fail("rollout.placement", self.placement, f"allowed: {list(ROLLOUT_PLACEMENTS)}")
         _at_least("rollout.max_model_len", self.max_model_len, 2)

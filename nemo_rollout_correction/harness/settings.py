@@ -61,7 +61,16 @@ def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None, *
         generate_timeout_s=r.generate_timeout_s,
         verify_refit=r.verify_refit,
         in_process=r.in_process,
+        # policy.lora with rollout.lora_sync=adapter: the engine serves base + adapter, refits push the adapter only
+        lora_rank=cfg.policy.lora.rank if adapter_sync(cfg) else 0,
+        lora_alpha=cfg.policy.lora.alpha,
     )
+
+
+def adapter_sync(cfg: TrainConfig) -> bool:
+    """Whether weight syncs push the LoRA adapter only (`policy.lora.rank` > 0 and `rollout.lora_sync=adapter`);
+    otherwise a LoRA policy pushes its merged weights `W + s B A` through the full refit."""
+    return cfg.policy.lora.enabled and cfg.rollout.lora_sync == "adapter"
 
 
 def tokenize_prompt(tokenizer: Any, text: str, use_chat_template: bool) -> list[int]:

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from nemo_rollout_correction.distributed.tensor_gather import gather_along_dim, group_size
 from nemo_rollout_correction.models.hf_config import ModelArch
+from nemo_rollout_correction.models.lora import adapter_of, is_adapter_param
 
 PACKS = ("copy", "qkv", "gate_up")
 
@@ -291,6 +292,8 @@ def load_hf_weights(model: nn.Module, hf: TensorSource | Mapping[str, Tensor], a
     """
     source: TensorSource = MappingSource(hf) if isinstance(hf, Mapping) else hf
     for name, param in model.named_parameters():
+        if is_adapter_param(name):
+            continue  # LoRA adapters (models/lora.py) are no Hugging Face weight
         row, layer = _lookup(arch, name, model)
         missing = [n for n in row.hf_names(layer) if n not in source]
         if missing:
@@ -326,17 +329,35 @@ def iter_hf_weights(model: nn.Module, arch: ModelArch, *, tp_group: Any = None,
 
     Every TP rank must iterate (the gathers are collectives); all ranks get the same tensors. Used to
     refit the rollout engine after an optimizer step and to export a Hugging Face checkpoint. Tied
-    models yield no `lm_head.weight` (vLLM and transformers tie it themselves).
+    models yield no `lm_head.weight` (vLLM and transformers tie it themselves). A linear with a LoRA adapter
+    (models/lora.py) yields its merged weight `W + scale * B A` (each rank merges its own shard, then the shards
+    are gathered as W's); the adapters themselves are not yielded.
     """
     tp = group_size(tp_group)
     for name, param in model.named_parameters():
         if name == "output_layer.weight" and arch.tie_word_embeddings:
             continue  # the last pipeline stage's copy of a tied embedding: the first stage exports it
+        if is_adapter_param(name):
+            continue
         row, layer = _lookup(arch, name, model)
-        full = _gather_full(param, tp_group)
+        value: Tensor = param
+        adapter = adapter_of(model, name)
+        if adapter is not None:
+            value = (param.detach().float() + adapter.delta()).to(param.dtype)
+            for attr in ("tensor_model_parallel", "partition_dim"):  # sharded as W (`_gather_full` reads them)
+                setattr(value, attr, getattr(param, attr, None))
+        full = _gather_full(value, tp_group)
         if dtype is not None:
             full = full.to(dtype)
         yield from _unpack(row, layer, full, arch, tp)
+
+
+def hf_tensors_of(model: nn.Module, arch: ModelArch, name: str, full: Tensor, tp: int) -> list[tuple[str, Tensor]]:
+    """The Hugging Face (name, tensor) pairs of Megatron parameter `name` from its TP-gathered value `full` (the
+    table row's unpacking: q/k/v split, the per-rank [gate; up] undone). Any trailing dimensions: a LoRA `B`
+    (`[out, r]` in the weight's row layout) unpacks as its weight does."""
+    row, layer = _lookup(arch, name, model)
+    return _unpack(row, layer, full, arch, tp)
 
 
 def expected_hf_names(arch: ModelArch) -> set[str]:
@@ -357,6 +378,7 @@ __all__ = [
     "TensorSource",
     "expected_hf_names",
     "fused_qkv",
+    "hf_tensors_of",
     "iter_hf_weights",
     "load_hf_weights",
     "mappings",

@@ -37,6 +37,8 @@ from nemo_rollout_correction.models.hf_llama import (
     read_arch,
     transformer_config,
 )
+from nemo_rollout_correction.models.lora import LoraConfig, apply_lora, has_lora
+from nemo_rollout_correction.models.lora_export import hf_adapter_tensors
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask, seed_model_parallel
 from nemo_rollout_correction.models.packing import PackedRows
 from nemo_rollout_correction.models.routing_replay import RoutingReplay, check_moe_for_replay, routing_replay_fields
@@ -96,13 +98,15 @@ class MegatronPolicy:
 
     @classmethod
     def from_hf(cls, hf_dir: str | Path, *, params_dtype: str | torch.dtype = "float32", seed: int = 1234,
-                use_transformer_engine: bool | None = None, routing_replay: bool = False) -> MegatronPolicy:
+                use_transformer_engine: bool | None = None, routing_replay: bool = False,
+                lora: LoraConfig | None = None) -> MegatronPolicy:
         """Build this rank's model stage for `parallel_state`'s TP/PP sizes and load the HF weights.
 
         `megatron.core.parallel_state` must be initialised (also for one process). Every rank reads from the
         Hugging Face safetensors files only the tensor slices its own shard needs (on a cluster they sit on
         a shared filesystem). `routing_replay=True` (MoE only) builds the routers with Megatron's `RouterReplay`
-        and wires `models.routing_replay.RoutingReplay` into the model (`self.routing`).
+        and wires `models.routing_replay.RoutingReplay` into the model (`self.routing`). `lora` with rank > 0
+        freezes the loaded weights and attaches LoRA adapters (`models.lora.apply_lora`, A seeded by `seed`).
         """
         from megatron.core import parallel_state as ps
 
@@ -126,6 +130,8 @@ class MegatronPolicy:
                                     use_transformer_engine=use_transformer_engine)
         with SafetensorsCheckpoint(hf_dir) as checkpoint:
             load_hf_weights(model, checkpoint, arch, tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp)
+        if lora is not None and lora.enabled:
+            apply_lora(model, lora, seed=seed)
         group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         routing = RoutingReplay.for_model(model) if routing_replay else None
         return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp, is_last_stage=last,
@@ -240,6 +246,15 @@ class MegatronPolicy:
     def hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """(Hugging Face name, full tensor) for this pipeline stage; every TP rank must iterate (collectives)."""
         return iter_hf_weights(self.model, self.arch, tp_group=self.tp_group, dtype=dtype)
+
+    @property
+    def lora(self) -> bool:
+        """Whether LoRA adapters are attached (`from_hf(lora=...)`): `hf_weights` then yields merged weights."""
+        return has_lora(self.model)
+
+    def hf_adapter_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """The LoRA adapters in PEFT names, TP shards gathered (`models.lora_export`); every TP rank must call it."""
+        return hf_adapter_tensors(self.model, self.arch, tp_group=self.tp_group, dtype=dtype)
 
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """`hf_weights()` collected into a dict of CPU tensors."""

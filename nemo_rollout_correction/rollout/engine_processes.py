@@ -168,6 +168,10 @@ def llm_kwargs(options: EngineOptions, *, cuda: bool) -> dict[str, Any]:
         kwargs["distributed_executor_backend"] = options.distributed_executor_backend
     if options.enable_sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    if options.lora_rank > 0:  # the adapter-only refit (rollout/refit/lora_adapter.py): one adapter at a time
+        from nemo_rollout_correction.rollout.refit.lora_adapter import max_lora_rank
+
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(options.lora_rank), max_loras=1)
     clash = sorted(set(options.extra) & {"enable_prefix_caching", "enable_return_routed_experts"})
     if clash and options.capture_routing:
         raise ValueError(f"EngineOptions.extra sets {', '.join(clash)}, which routing capture decides "

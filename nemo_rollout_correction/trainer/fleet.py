@@ -42,7 +42,7 @@ from torch import Tensor
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.distributed.pipeline import gather_weights_to_first_stage
 from nemo_rollout_correction.distributed.runtime import Runtime
-from nemo_rollout_correction.harness.settings import engine_options, sampling_options
+from nemo_rollout_correction.harness.settings import adapter_sync, engine_options, sampling_options
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.rollout.partial import token_staleness
 from nemo_rollout_correction.rollout.placement import (
@@ -376,7 +376,8 @@ class RolloutFleet:
         """
         if (self.placement == "rank0" and self.groups.dp_rank != 0) or self.groups.cp_rank != 0:
             return None
-        weights = policy.hf_weights(dtype=None)
+        # a LoRA policy with rollout.lora_sync=adapter pushes its adapters in PEFT names (rollout/refit/lora_adapter.py)
+        weights = iter(policy.hf_adapter_state_dict().items()) if adapter_sync(self.cfg) else policy.hf_weights()
         if self.groups.tp_rank == 0:
             weights = gather_weights_to_first_stage(weights, self.groups)
         if self.engine is None:

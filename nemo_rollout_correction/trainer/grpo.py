@@ -166,7 +166,7 @@ class GrpoTrainer:
 
     def _build_policy(self, *, routing_replay: bool) -> MegatronPolicy:
         policy = MegatronPolicy.from_hf(self.hf_dir, params_dtype=self.cfg.model.dtype, seed=self.cfg.run.seed,
-                                        routing_replay=routing_replay)
+                                        routing_replay=routing_replay, lora=self.cfg.policy.lora)
         if self.cfg.policy.lm_head_fp32:
             policy.use_fp32_lm_head()
         return policy

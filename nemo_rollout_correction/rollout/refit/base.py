@@ -68,6 +68,11 @@ class RefitPath(ABC):
         Raises `RolloutEngineError` naming the engine when the load fails.
         """
 
+    def lora_request(self) -> Any:
+        """The vLLM `LoRARequest` every `generate` request carries (the adapter of the latest push), or None: the
+        engine serves its own weights (every path but the LoRA adapter refit)."""
+        return None
+
     def verify(self, engine: RefitTarget) -> None:
         """Prove that `engine` holds the weights of the latest `push`; `RefitVerificationError` naming the engine
         and the first tensor that differs otherwise. Only for a `verifiable` path."""

