@@ -244,10 +244,11 @@ def _one_process_two_steps(args: list[str], key: str, root: Path) -> list[dict[s
 
 # PP: Megatron's 1F1B schedule, the last stage's metrics sent to stage 0, tied-embedding gradient sync;
 # CP: load-balanced token shards, the CPU all-gather CP attention, sequence statistics completed over CP.
-# The default lane runs PP and CP in bypass mode, against one one-process run; decoupled mode (its old-logprob
-# pass through the pipeline) end to end under PP=2 and CP=2 is also in the default lane through
-# test_multi_turn_layouts.py and test_partial_rollouts.py (against one-process runs), and the model's no-grad
-# logprobs and gradients under PP/CP through test_pipeline.py.
+# The default lane runs PP and CP in bypass mode (the rejection count reduced over stages and CP ranks after the
+# loss pass), against one one-process run; decoupled mode adds the old-logprob pass, `MegatronPolicy.
+# score_microbatches` (trainer/policy_update.py), which test_pipeline.py checks under PP and CP against one rank in
+# the default lane (untied-tp2_pp2, untied-cp2, tied-cp2_pp2), and the decoupled trainer runs end to end in the
+# default lane at TP=2 and DP=2 (test_torchrun_two_ranks_match_one_process).
 MODEL_PARALLEL = [
     pytest.param("pp2", "bypass_ppo_clip_k3_rs", (), id="pp2-bypass_k3"),
     pytest.param("cp2", "bypass_ppo_clip_k3_rs", (), id="cp2-bypass_k3"),
