@@ -59,7 +59,7 @@ def test_close_returns_at_once_while_a_child_still_holds_the_pipe(tmp_path: Path
             time.sleep(0.05)
         started = time.monotonic()
         console.close()
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - started < 8.0  # (the EOF wait it replaces took its 10 s timeout)
     finally:
         holder.kill()
         holder.wait()
