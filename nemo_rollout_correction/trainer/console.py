@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import secrets as _secrets
 import sys
 import threading
 import time
@@ -42,6 +43,9 @@ class Console:
         self.log_path: Path | None = None
         self._saved_fds: tuple[int, int] | None = None
         self._copier: threading.Thread | None = None
+        self._drained: threading.Event | None = None
+        # The line `close` writes into the pipe last: the copier has drained this process's output once it reads it.
+        self._marker = f"\0nrc-console-close-{_secrets.token_hex(8)}\n".encode()
 
     def print(self, message: str) -> None:
         """Write one line of ours to the terminal (main rank only), credentials redacted."""
@@ -68,31 +72,47 @@ class Console:
         os.dup2(write_end, 2)
         os.close(write_end)
         echo = self.stream if (self.verbose and self.is_main) else None
-        self._copier = threading.Thread(target=_copy_lines, args=(read_end, log_path, self.secrets, echo),
+        self._drained = threading.Event()
+        self._copier = threading.Thread(target=_copy_lines,
+                                        args=(read_end, log_path, self.secrets, echo, self._marker, self._drained),
                                         name="nrc-log-copier", daemon=True)
         self._copier.start()
 
     def close(self) -> None:
-        """Restore fds 1 and 2 and let the copier drain the pipe into the log file."""
+        """Restore fds 1 and 2 and let the copier drain this process's output into the log file.
+
+        Children that inherited fds 1 and 2 (multiprocessing's resource tracker, a spawned worker) hold the pipe
+        open until they exit, which is after this process: the copier never sees EOF here. So the last write into
+        the pipe is a marker line, and `close` waits until the copier has read it (everything written before it
+        is in the log); the copier keeps copying what children write after it while this process lives."""
         if self._saved_fds is None:
             return
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            os.write(1, self._marker)
         saved_out, saved_err = self._saved_fds
         os.dup2(saved_out, 1)  # closes this process's write ends of the pipe
         os.dup2(saved_err, 2)
         os.close(saved_out)
         os.close(saved_err)
         self._saved_fds = None
-        if self._copier is not None:
-            self._copier.join(timeout=10.0)  # a child still holding the pipe must not hang the exit
+        if self._copier is not None and self._drained is not None:
+            self._drained.wait(timeout=10.0)  # a copier that died (an unwritable log) must not hang the exit
             self._copier = None
+            self._drained = None
 
 
-def _copy_lines(read_end: int, log_path: Path, secrets: frozenset[str], echo: IO[str] | None) -> None:
+def _copy_lines(read_end: int, log_path: Path, secrets: frozenset[str], echo: IO[str] | None, marker: bytes,
+                drained: threading.Event) -> None:
     with os.fdopen(read_end, "rb") as source, open(log_path, "a", encoding="utf-8") as sink:
         for raw in source:
+            if raw.endswith(marker):  # `close`'s last write (after a child's unfinished line, if any)
+                drained.set()
+                raw = raw[: -len(marker)] + b"\n" if len(raw) > len(marker) else b""
+                if not raw:
+                    continue
             line = redact_text(raw.decode("utf-8", errors="replace"), secrets)
             sink.write(line)
             sink.flush()

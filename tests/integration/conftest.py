@@ -15,7 +15,9 @@ def megatron_runtime() -> Iterator[Any]:
     """A one-process gloo group and Megatron parallel state (TP = PP = CP = 1) for the requesting module.
 
     torchrun variables inherited from the environment are dropped so `init_runtime` builds its own
-    one-process group; the group is destroyed at the end of the module unless it existed before.
+    one-process group; the group is destroyed at the end of the module unless it existed before, and the
+    variables `init_runtime` set (RANK=0, WORLD_SIZE=1, a MASTER_PORT of its own) are put back as they were:
+    left behind, they sent a later test's `nrc` subprocess to that port (EADDRINUSE in test_cli's audit test).
     """
     require("megatron.core", "megatron")
     import torch.distributed as dist
@@ -23,6 +25,8 @@ def megatron_runtime() -> Iterator[Any]:
     from nemo_rollout_correction.distributed.runtime import init_runtime, shutdown_runtime
 
     owned = not dist.is_initialized()
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {key: os.environ.get(key) for key in keys}
     if owned:
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
             os.environ.pop(key, None)
@@ -30,6 +34,11 @@ def megatron_runtime() -> Iterator[Any]:
     yield runtime
     if owned:
         shutdown_runtime()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")

