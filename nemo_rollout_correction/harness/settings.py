@@ -61,6 +61,7 @@ def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None, *
         generate_timeout_s=r.generate_timeout_s,
         verify_refit=r.verify_refit,
         in_process=r.in_process,
+        quantization=r.quantization,
     )
 
 

