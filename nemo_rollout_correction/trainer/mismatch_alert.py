@@ -76,11 +76,12 @@ FLOORS: dict[FloorKey, dict[str, float]] = {
     ("bfloat16", "float32", "moe_r3"): {"k3_kl": 3e-3, "max_abs_log_ratio": 0.5},
     ("float32", "bfloat16", "moe_r3"): {"k3_kl": 2e-3, "max_abs_log_ratio": 0.5},
     ("bfloat16", "bfloat16", "moe_r3"): {"k3_kl": 3e-3, "max_abs_log_ratio": 0.5},
-    # rollout.quantization=int8 (W8A8, engine key "<dtype>+int8"): ~25x the bf16 k3 on SmolLM2-135M, almost all
-    # of it from the per-token activation quantization (docs/audit.md, "Quantized rollouts"); dense models only.
-    ("bfloat16+int8", "float32", "dense"): {"k3_kl": 0.1, "max_abs_log_ratio": 3.0},
-    ("bfloat16+int8", "bfloat16", "dense"): {"k3_kl": 0.1, "max_abs_log_ratio": 3.0},
-    ("float32+int8", "float32", "dense"): {"k3_kl": 0.1, "max_abs_log_ratio": 3.0},
+    # rollout.quantization=int8 (W8A8, engine key "<dtype>+int8"): `nrc audit rollout.quantization=int8` on
+    # SmolLM2-135M measured k3 5.5e-2 (41x the bf16 engine's 1.3e-3) and max |dlogp| 8.8 over 2,905 tokens, almost
+    # all from the per-token activation quantization (docs/audit.md, "Quantized rollouts"); dense models only.
+    ("bfloat16+int8", "float32", "dense"): {"k3_kl": 0.1, "max_abs_log_ratio": 10.0},
+    ("bfloat16+int8", "bfloat16", "dense"): {"k3_kl": 0.1, "max_abs_log_ratio": 10.0},
+    ("float32+int8", "float32", "dense"): {"k3_kl": 0.1, "max_abs_log_ratio": 10.0},
 }
 
 
