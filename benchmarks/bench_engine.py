@@ -15,6 +15,8 @@ Settings (`--settings`, comma list):
   inproc_threads  inproc, `generate` from the main thread against the same call from a new thread (prints both)
   reload   like mp, but the refit always takes vLLM's layer-wise `reload_weights` (`direct_refit=False`), the
            path before `rollout/direct_load.py`
+  int8     like mp, with `rollout.quantization=int8` (W8A8 int8 engine; the refit re-quantizes the weights:
+           `rollout/refit/int8.py`); `--settings mp,int8` puts int8 and bf16 side by side (docs/rollout.md)
 The refit is split into the trainer's side (cast and copy into the shared buffer), the engine's side (RPC, the
 workers' load, the prefix-cache reset) and the workers' own seconds (`VllmRolloutEngine.last_refit_phases`).
 
@@ -49,6 +51,7 @@ SETTINGS: dict[str, dict[str, str]] = {
     "inproc": {},
     "noseed": {},
     "reload": {},
+    "int8": {},
     # plain `vllm.LLM(...).generate`, no VllmRolloutEngine: the engine's own speed with the same engine arguments
     "vllm": {},
     "vllm_inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
@@ -225,7 +228,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     if args.setting.startswith("vllm"):
         return _plain_vllm(args, prompts)
     extra: dict[str, Any] = ({"in_process": True} if args.setting == "inproc"
-                             else {"direct_refit": False} if args.setting == "reload" else {})
+                             else {"direct_refit": False} if args.setting == "reload"
+                             else {"quantization": "int8"} if args.setting == "int8" else {})
     engine = VllmRolloutEngine(EngineOptions(model_dir=args.model, dtype=args.dtype, max_model_len=512, seed=0,
                                              **extra))
     sampling = SamplingOptions(n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
@@ -336,12 +340,13 @@ def main() -> None:
         values = [v for r in results[setting] for v in r[key]]
         return statistics.median(values) if values else float("nan")
 
-    print(f"| setting | generation tok/s | vs {base} | refit s | trainer side s | engine side s | in worker s | "
-          f"vs {base} (engine side) | verify ms |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print(f"| setting | generation tok/s | vs {base} | refit s | refit - {base} s | trainer side s | engine side s | "
+          f"in worker s | vs {base} (engine side) | verify ms |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for setting in settings:
         print(f"| {setting} | {med(setting, 'gen_tok_s'):.1f} | "
               f"{med(setting, 'gen_tok_s') / med(base, 'gen_tok_s'):.2f}x | {med(setting, 'refit_s'):.3f} | "
+              f"{med(setting, 'refit_s') - med(base, 'refit_s'):+.3f} | "
               f"{med(setting, 'write_s'):.3f} | {med(setting, 'load_s'):.3f} | {med(setting, 'worker_s'):.3f} | "
               f"{med(setting, 'load_s') / med(base, 'load_s'):.2f}x | {med(setting, 'verify_s') * 1e3:.1f} |")
 

@@ -7,6 +7,7 @@ A grid of real `nrc train` runs with the same task, model, seeds and step count:
     bfloat16                   token_tis (token-level truncated IS)
     float16                    geo_mis   (geometric-mean masked IS; --corrections ...,seq_mis for sequence MIS)
     bfloat16+bf16_trainer
+    int8 (W8A8 engine, not in the default grid)
 
 A precision names the engine dtype (`rollout.dtype`) against the float32 trainer, or with `+bf16_trainer`
 also a bfloat16 trainer (`model.dtype`, fp32 main weights in the optimizer). float32 is the control (no
@@ -62,8 +63,12 @@ PRECISIONS: dict[str, tuple[str, str]] = {  # name -> (engine dtype, trainer dty
     "bfloat16": ("bfloat16", "float32"),
     "float16": ("float16", "float32"),
     "bfloat16+bf16_trainer": ("bfloat16", "bfloat16"),
+    "int8": ("bfloat16", "float32"),  # W8A8 int8 engine (rollout.quantization=int8; QUANTIZED)
 }
-DTYPES = tuple(PRECISIONS)
+QUANTIZED = {"int8": "int8"}
+"""Precisions whose engine is quantized: name -> `rollout.quantization` (the others run unquantized)."""
+DTYPES = tuple(p for p in PRECISIONS if p not in QUANTIZED)
+"""The default grid (`--dtypes`); `--dtypes bfloat16,int8` adds the quantization axis (issue 37)."""
 CORRECTIONS = ("disabled", "token_tis", "geo_mis")
 METRICS = {  # panel title -> metrics.jsonl key
     "mean reward": "reward/mean",
@@ -95,7 +100,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, extra = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--out", default="benchmarks/results/mismatch", help="output directory (runs, MLflow, PNG)")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help=f"precisions (comma list of {', '.join(DTYPES)})")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help=f"precisions (comma list of {', '.join(PRECISIONS)})")
     p.add_argument("--corrections", default=",".join(CORRECTIONS), help="rollout_correction presets (comma list)")
     p.add_argument("--staleness", default="",
                    help="the async axis: rollout.max_staleness values (comma list of integers >= 0, e.g. 0,1,2,4); "
@@ -117,9 +122,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def grid(args: argparse.Namespace) -> list[Cell]:
     dtypes = [d for d in args.dtypes.split(",") if d]
-    bad = [d for d in dtypes if d not in DTYPES]
+    bad = [d for d in dtypes if d not in PRECISIONS]
     if bad:
-        raise SystemExit(f"--dtypes: unknown {bad}; allowed: {list(DTYPES)}")
+        raise SystemExit(f"--dtypes: unknown {bad}; allowed: {list(PRECISIONS)}")
     corrections = [c for c in args.corrections.split(",") if c]
     stalenesses = staleness_values(args.staleness)
     # Seed-major order: an interrupted grid still holds every (dtype, staleness, correction) cell for its first seeds.
@@ -150,6 +155,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, extra: list[str], out: Path) 
         shutil.rmtree(run_dir)
     overrides = [
         f"rollout.dtype={PRECISIONS[cell.dtype][0]}", f"model.dtype={PRECISIONS[cell.dtype][1]}",
+        *([f"rollout.quantization={QUANTIZED[cell.dtype]}"] if cell.dtype in QUANTIZED else []),
         f"rollout_correction={cell.correction}", f"run.seed={cell.seed}",
         *([] if cell.staleness is None else [f"rollout.max_staleness={cell.staleness}"]),
         f"run.num_steps={args.steps}", f"run.name={cell.name}", f"run.output_dir={run_dir}",
@@ -198,7 +204,7 @@ def summarize(results: dict[Cell, list[dict[str, Any]]], window: int) -> list[di
     largest step's, which shows a divergence), kept fraction."""
     rows = []
     keys = sorted({(c.dtype, c.staleness, c.correction) for c in results},
-                  key=lambda k: (DTYPES.index(k[0]), -1 if k[1] is None else k[1], k[2]))
+                  key=lambda k: (list(PRECISIONS).index(k[0]), -1 if k[1] is None else k[1], k[2]))
     for dtype, staleness, correction in keys:
         runs = [steps for cell, steps in results.items()
                 if (cell.dtype, cell.staleness, cell.correction) == (dtype, staleness, correction)]
@@ -235,6 +241,7 @@ def table(rows: list[dict[str, Any]], window: int) -> str:
              "|---|---|" + ("--:|" if stale else "") + "---|---|--:|--:|--:|--:|" + ("--:|" if stale else "") + "--:|"]
     for r in rows:
         engine, trainer = PRECISIONS[r["dtype"]]
+        engine += f"+{QUANTIZED[r['dtype']]}" if r["dtype"] in QUANTIZED else ""
         staleness = f" {r['staleness']} |" if stale else ""
         largest = f" {ms(r['grad_norm_max'], '.3f')} |" if stale else ""
         lines.append(f"| {engine} | {trainer} |{staleness} {r['correction']} | {r['seeds']} x {r['steps']} "
@@ -251,7 +258,7 @@ def plot(results: dict[Cell, list[dict[str, Any]]], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     panels = sorted({(c.dtype, c.staleness) for c in results},
-                    key=lambda k: (DTYPES.index(k[0]), -1 if k[1] is None else k[1]))
+                    key=lambda k: (list(PRECISIONS).index(k[0]), -1 if k[1] is None else k[1]))
     corrections = sorted({c.correction for c in results})
     fig = Figure(figsize=(4.2 * len(METRICS), 3.0 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), len(METRICS), squeeze=False)
@@ -269,7 +276,9 @@ def plot(results: dict[Cell, list[dict[str, Any]]], path: Path) -> None:
                 ax.plot(range(1, n + 1), mean, marker="osd^v"[i % 5], markersize=5 - i, linewidth=1.5,
                         linestyle=("-", "--", ":", "-.")[i % 4], label=correction)
             stale = "" if staleness is None else f", max_staleness {staleness}"
-            ax.set_title(f"{title}\nengine {PRECISIONS[dtype][0]}, trainer {PRECISIONS[dtype][1]}{stale}", fontsize=9)
+            quant = f"+{QUANTIZED[dtype]}" if dtype in QUANTIZED else ""
+            ax.set_title(f"{title}\nengine {PRECISIONS[dtype][0]}{quant}, trainer {PRECISIONS[dtype][1]}{stale}",
+                         fontsize=9)
             ax.set_xlabel("step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)

@@ -2,7 +2,7 @@
 # Fetch the GPU image's pinned releases that CPU tests check against (no install into any venv):
 #   megatron-core 0.19.2: the cp311 wheel, unpacked to $NRC_GPU_PINS/megatron-core-0.19.2 (put on PYTHONPATH by
 #     tests in a subprocess and by ci/test_mcore019.sh; its metadata asks for Python 3.12, the code runs on 3.11);
-#   vLLM 0.33.0: only its pure-Python weight-transfer and engine-argument files, extracted to
+#   vLLM 0.33.0: only its pure-Python weight-transfer, engine-argument and quantization-method files, extracted to
 #     $NRC_GPU_PINS/vllm-0.33.0 (the CUDA wheel is never installed: it pins torch 2.14 + CUDA).
 # Idempotent: a second run reuses the downloaded wheels (pip download skips files already present).
 #   bash ci/fetch_gpu_pins.sh            # default destination: .cache/gpu-pins in the repository
@@ -19,14 +19,15 @@ if [ ! -d "$DEST/megatron-core-0.19.2/megatron" ]; then
   "$PY" -m zipfile -e "$DEST"/wheels/megatron_core-0.19.2-*.whl "$DEST/megatron-core-0.19.2.tmp"
   mv "$DEST/megatron-core-0.19.2.tmp" "$DEST/megatron-core-0.19.2"
 fi
-if [ ! -f "$DEST/vllm-0.33.0/vllm/distributed/weight_transfer/base.py" ]; then
+if [ ! -f "$DEST/vllm-0.33.0/vllm/distributed/weight_transfer/base.py" ] \
+   || [ ! -f "$DEST/vllm-0.33.0/vllm/model_executor/layers/quantization/__init__.py" ]; then
   # about 340 MB once; only a handful of .py files are kept
   "$PY" -m pip download -q vllm==0.33.0 --no-deps --only-binary=:all: -d "$DEST/wheels"
   "$PY" - "$DEST" <<'PYEOF'
 import glob, sys, zipfile
 dest = sys.argv[1]
 keep = ("vllm/distributed/weight_transfer/", "vllm/entrypoints/llm.py", "vllm/engine/arg_utils.py",
-        "vllm/config/vllm.py", "vllm/outputs.py")
+        "vllm/config/vllm.py", "vllm/outputs.py", "vllm/model_executor/layers/quantization/__init__.py")
 with zipfile.ZipFile(glob.glob(f"{dest}/wheels/vllm-0.33.0-*.whl")[0]) as wheel:
     for name in wheel.namelist():
         if name.endswith(".py") and name.startswith(keep):

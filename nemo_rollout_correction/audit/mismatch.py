@@ -377,12 +377,12 @@ def format_comparison(reports: Sequence[AuditReport]) -> str:
     Columns: max and mean |trainer - vLLM| token logprob difference and the mismatch KL estimates
     (`rollout_corr/kl`, k1, may be slightly negative at fp32 noise; `rollout_corr/k3_kl`, non-negative).
     """
-    header = (f"{'engine':<10} {'trainer':<10} {'lm_head_fp32':<13} {'max |diff|':>11} {'mean |diff|':>11} "
+    header = (f"{'engine':<14} {'trainer':<10} {'lm_head_fp32':<13} {'max |diff|':>11} {'mean |diff|':>11} "
               + " ".join(f"{k.removeprefix('rollout_corr/'):>11}" for k in COMPARISON_METRICS) + f" {'tokens':>7}")
     lines = ["== nrc audit: settings side by side ==", header]
     for r in reports:
         values = " ".join(f"{r.metrics[k]:>11.3e}" for k in COMPARISON_METRICS)
-        lines.append(f"{r.rollout_dtype:<10} {r.trainer_dtype:<10} {str(r.lm_head_fp32).lower():<13} "
+        lines.append(f"{r.rollout_dtype:<14} {r.trainer_dtype:<10} {str(r.lm_head_fp32).lower():<13} "
                      f"{r.max_abs_logprob_diff:>11.3e} {r.mean_abs_logprob_diff:>11.3e} {values} {r.num_tokens:>7}")
     return "\n".join(lines)
 
@@ -391,12 +391,15 @@ def audit_settings(cfg: TrainConfig) -> tuple[list[str], list[tuple[str, bool]]]
     """(engine dtypes, [(trainer dtype, lm_head_fp32)]) the audit compares, in order, without duplicates.
 
     Engine dtypes: `audit.engine_dtypes`, else `rollout.dtype` (plus float32/bfloat16 with
-    `audit.compare_dtypes`). Trainer settings: `audit.trainer_dtypes` (else `model.dtype`) x `audit.lm_head_fp32`
+    `audit.compare_dtypes`); with `rollout.quantization` each first quantized (`engine_label`: "bfloat16+int8"),
+    then unquantized beside it. Trainer settings: `audit.trainer_dtypes` (else `model.dtype`) x `audit.lm_head_fp32`
     (else `policy.lm_head_fp32`); an fp32 LM head under an fp32 trainer is the fp32 trainer itself.
     """
     engines = list(cfg.audit.engine_dtypes) or [cfg.rollout.dtype]
     if cfg.audit.compare_dtypes and not cfg.audit.engine_dtypes:
         engines += [d for d in ("float32", "bfloat16") if d != cfg.rollout.dtype]
+    if cfg.rollout.quantization != "none":  # the quantized engines, then the same dtypes unquantized beside them
+        engines = [engine_label(d, cfg.rollout.quantization) for d in engines] + engines
     trainers: list[tuple[str, bool]] = []
     for dtype in list(cfg.audit.trainer_dtypes) or [cfg.model.dtype]:
         for head in list(cfg.audit.lm_head_fp32) or [cfg.policy.lm_head_fp32]:
@@ -404,6 +407,17 @@ def audit_settings(cfg: TrainConfig) -> tuple[list[str], list[tuple[str, bool]]]
             if setting not in trainers:
                 trainers.append(setting)
     return list(dict.fromkeys(engines)), trainers
+
+
+def engine_label(dtype: str, quantization: str) -> str:
+    """How the audit names an engine setting: its dtype, plus `+<quantization>` when quantized ("bfloat16+int8")."""
+    return dtype if quantization == "none" else f"{dtype}+{quantization}"
+
+
+def parse_engine_label(label: str) -> tuple[str, str]:
+    """(dtype, quantization) of an `engine_label`."""
+    dtype, _, quantization = label.partition("+")
+    return dtype, quantization or "none"
 
 
 def audit_prompts(cfg: TrainConfig, tokenize: Any, num_prompts: int) -> list[list[int]]:
@@ -457,7 +471,9 @@ def run_audit(
             # policy.lora: a fresh adapter is zero (B = 0), so the audit measures the base model on a plain engine
             # (vLLM 0.32's prompt logprobs, which the probes read, fail on a LoRA engine on CPU); the unmerged
             # adapter's own mismatch: benchmarks/bench_lora_mismatch.py (docs/audit.md, LoRA)
-            options = dataclasses.replace(engine_options(cfg, str(hf_dir), engine_dtype), lora_rank=0)
+            dtype_of_engine, quantization = parse_engine_label(engine_dtype)
+            options = dataclasses.replace(engine_options(cfg, str(hf_dir), dtype_of_engine), lora_rank=0,
+                                          quantization=quantization)
             if single and top_k != 0:  # vLLM caps logprobs per position at max_logprobs (default 20)
                 options = dataclasses.replace(options, extra={**options.extra,
                                                               "max_logprobs": -1 if top_k < 0 else max(top_k, 20)})
@@ -524,7 +540,7 @@ def run_probes(report: AuditReport, policy: MegatronPolicy, batch: RolloutBatch,
         for i, r in enumerate(rows):
             ids[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
         layers = probes.layer_differences(policy, hf_dir, ids, [len(r) for r in rows],
-                                                hf_dtype=report.rollout_dtype)
+                                                hf_dtype=parse_engine_label(report.rollout_dtype)[0])
         report.layers = [dataclasses.asdict(layer) for layer in layers]
         report.parting_layer = probes.parting_layer(layers)
         report.seconds["layer_probe"] = time.perf_counter() - start

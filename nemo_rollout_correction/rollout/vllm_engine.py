@@ -24,7 +24,10 @@ docs/rollout.md.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -42,6 +45,7 @@ from nemo_rollout_correction.rollout.generation import (
     start_routing_capture,
     take_routing,
 )
+from nemo_rollout_correction.rollout.int8 import write_int8_checkpoint
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
 from nemo_rollout_correction.rollout.refit.base import RefitPath
 from nemo_rollout_correction.rollout.refit.choice import choose_refit_path
@@ -61,7 +65,24 @@ class VllmRolloutEngine:
         """How `refit` pushes weights into this engine (`rollout/refit/`)."""
         prepare_environment(options)  # fails before the (long) engine start when batch invariance cannot hold
         start = time.perf_counter()
-        self.llm, self.engine_processes, self._owns_world = start_llm(options)
+        self.quantized_dir: str | None = None
+        """`quantization="int8"`: the int8 W8A8 checkpoint this engine started from, written from `model_dir`'s
+        weights (`rollout/int8.py`), removed at `shutdown`."""
+        started = options
+        if options.quantization == "int8":
+            self.quantized_dir = tempfile.mkdtemp(prefix="nrc_int8_")
+            try:
+                write_int8_checkpoint(options.model_dir, self.quantized_dir)
+            except Exception:
+                shutil.rmtree(self.quantized_dir, ignore_errors=True)
+                raise
+            started = dataclasses.replace(options, model_dir=self.quantized_dir)
+        try:
+            self.llm, self.engine_processes, self._owns_world = start_llm(started)
+        except Exception:
+            if self.quantized_dir is not None:
+                shutil.rmtree(self.quantized_dir, ignore_errors=True)
+            raise
         # vLLM's engine-core process(es): watched during every call (`watched`) and told to die with this
         # process (no orphans after a SIGKILL of the trainer)
         self.parent_death: list[dict[str, Any]] = []  # per worker: how its processes die with this one
@@ -204,10 +225,12 @@ class VllmRolloutEngine:
         """Stop the engine and its worker processes."""
         self.refit_path.release()
         llm = getattr(self, "llm", None)
-        if llm is None:
-            return
-        stop_llm(llm, self.options, self._owns_world)
-        del self.llm
+        if llm is not None:
+            stop_llm(llm, self.options, self._owns_world)
+            del self.llm
+        if getattr(self, "quantized_dir", None) is not None:
+            shutil.rmtree(str(self.quantized_dir), ignore_errors=True)
+            self.quantized_dir = None
 
 
 __all__ = ["VllmRolloutEngine"]

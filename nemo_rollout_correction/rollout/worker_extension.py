@@ -207,6 +207,69 @@ class RefitExtension:
         return {"num_tensors": len(layout), "seconds": time.perf_counter() - start, "repacked": repacked,
                 "path": "reload", "why_not_direct": str(plan)}
 
+    def _nrc_map_shared(self, key: str, nbytes: int) -> tuple[str, torch.Tensor]:
+        """The shared buffer `key`, mapped once per key (a new key drops the plans made for the old one)."""
+        from nemo_rollout_correction.rollout.shared_weights import map_file
+
+        mapped: tuple[str, torch.Tensor] | None = getattr(self, "_nrc_shared", None)
+        if mapped is None or mapped[0] != key:
+            mapped = (key, map_file(key, nbytes))
+            self._nrc_shared = mapped
+            self._nrc_plan = None
+            self._nrc_int8_plan: Any = None
+        return mapped
+
+    def _nrc_int8(self, key: str, nbytes: int, slots: list[list[Any]]) -> tuple[Any, torch.Tensor, torch.dtype]:
+        from nemo_rollout_correction.rollout.int8_load import plan_int8_load
+        from nemo_rollout_correction.rollout.shared_weights import TensorSlot
+
+        mapped = self._nrc_map_shared(key, nbytes)
+        if getattr(self, "_nrc_int8_plan", None) is None:
+            model_config: Any = self.vllm_config.model_config  # type: ignore[attr-defined]
+            tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+            self._nrc_int8_plan = plan_int8_load(self.model_runner.model,  # type: ignore[attr-defined]
+                                                 [TensorSlot.from_wire(s) for s in slots], tied)
+        return self._nrc_int8_plan, mapped[1], self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
+
+    def nrc_load_int8_from_shared(self, key: str, nbytes: int, slots: list[list[Any]]) -> dict[str, Any]:
+        """Load the trainer's int8 weights, scales and other tensors from the shared buffer `key` into this worker's
+        W8A8 int8 model in place (`rollout/int8_load.py`: not vLLM's reload, which leaves NaN logprobs). Returns
+        {"num_tensors", "seconds", "repacked", "path": "int8", "int8_layers", "why_not_direct": ""}."""
+        from nemo_rollout_correction.rollout.int8_load import run_int8_load
+
+        start = time.perf_counter()
+        plan, buffer, dtype = self._nrc_int8(key, nbytes, slots)
+        count = run_int8_load(plan, buffer, dtype)
+        repacked = self._nrc_repack_embedding_gemms()
+        return {"num_tensors": count, "seconds": time.perf_counter() - start, "repacked": repacked, "path": "int8",
+                "int8_layers": len(plan.layers), "why_not_direct": ""}
+
+    def nrc_reload_int8_with_vllm(self, key: str, nbytes: int, slots: list[list[Any]]) -> dict[str, Any]:
+        """The int8 buffer `key` fed to vLLM's `reload_weights` as shipped (scales as float32): the NaN trap
+        (docs/rollout.md), kept for the test that shows it and for comparisons; never taken by a refit path."""
+        from nemo_rollout_correction.rollout.shared_weights import TensorSlot, slot_view
+
+        start = time.perf_counter()
+        _, buffer = self._nrc_map_shared(key, nbytes)
+        layout = [TensorSlot.from_wire(s) for s in slots]
+
+        def views() -> Any:
+            for slot in layout:
+                view = slot_view(buffer, slot)
+                yield slot.name, view.view(torch.float32) if slot.name.endswith("weight_scale") else view
+
+        _quiet_expected_reload_warnings()
+        self.reload_weights(weights_iterator=views())  # type: ignore[attr-defined]
+        return {"num_tensors": len(layout), "seconds": time.perf_counter() - start, "path": "vllm-reload"}
+
+    def nrc_check_int8(self, key: str, nbytes: int, slots: list[list[Any]]) -> dict[str, Any]:
+        """Refit verification of the int8 layers against the shared buffer `key` (`int8_load.check_int8_layers`):
+        {"checked": layers, "bad": [[layer, why], ...]}."""
+        from nemo_rollout_correction.rollout.int8_load import check_int8_layers
+
+        plan, buffer, dtype = self._nrc_int8(key, nbytes, slots)
+        return check_int8_layers(plan, buffer, dtype)
+
     def nrc_weight_checksums(self, requests: list[list[Any]]) -> dict[str, Any]:
         """Fingerprints of the model's own copies of some weights, read back after a refit (refit verification).
 

@@ -55,7 +55,7 @@ __all__ = ["ALERT_METRIC", "FLOORS", "Alert", "MismatchAlarm", "MismatchAlarmErr
 ALERT_METRIC = mn.ALERT_MISMATCH
 """Per step: how many watched statistics fired (0: healthy); logged only when an alarm is configured."""
 
-FloorKey = tuple[str, str, str]  # (engine dtype, trainer dtype, family: "dense" | "moe" | "moe_r3")
+FloorKey = tuple[str, str, str]  # (engine dtype[+quantization], trainer dtype, family: "dense" | "moe" | "moe_r3")
 
 FLOORS: dict[FloorKey, dict[str, float]] = {
     # Healthy values on sampled tokens (rollout_corr/k3_kl and max |dlogp|) per setting: the largest measured here,
@@ -76,6 +76,12 @@ FLOORS: dict[FloorKey, dict[str, float]] = {
     ("bfloat16", "float32", "moe_r3"): {"k3_kl": 3e-3, "max_abs_log_ratio": 0.5},
     ("float32", "bfloat16", "moe_r3"): {"k3_kl": 2e-3, "max_abs_log_ratio": 0.5},
     ("bfloat16", "bfloat16", "moe_r3"): {"k3_kl": 3e-3, "max_abs_log_ratio": 0.5},
+    # rollout.quantization=int8 (W8A8, engine key "<dtype>+int8"): `nrc audit rollout.quantization=int8` on
+    # SmolLM2-135M measured k3 5.5e-2 (41x the bf16 engine's 1.3e-3) and max |dlogp| 8.8 over 2,905 tokens, almost
+    # all from the per-token activation quantization (docs/audit.md, "Quantized rollouts"); dense models only.
+    ("bfloat16+int8", "float32", "dense"): {"k3_kl": 0.1, "max_abs_log_ratio": 10.0},
+    ("bfloat16+int8", "bfloat16", "dense"): {"k3_kl": 0.1, "max_abs_log_ratio": 10.0},
+    ("float32+int8", "float32", "dense"): {"k3_kl": 0.1, "max_abs_log_ratio": 10.0},
 }
 
 
@@ -149,7 +155,8 @@ class MismatchAlarm:
 
     Args:
         cfg: `rollout_correction.alert`.
-        engine_dtype, trainer_dtype: `rollout.dtype`, `model.dtype` (the floors' setting).
+        engine_dtype, trainer_dtype: `rollout.dtype` (with `+int8` under `rollout.quantization=int8`),
+            `model.dtype` (the floors' setting).
         family: "dense", "moe" (own routing) or "moe_r3" (rollout routing replayed).
         log: the trainer's console (the logging rank's; a no-op elsewhere).
     """
@@ -197,7 +204,9 @@ class MismatchAlarm:
         if alert is None or not alert.enabled:
             return None
         family = ("moe_r3" if cfg.rollout.routing_replay == "r3" else "moe") if moe else "dense"
-        return cls(alert, engine_dtype=cfg.rollout.dtype, trainer_dtype=cfg.model.dtype, family=family, log=log)
+        quantization = getattr(cfg.rollout, "quantization", "none")
+        engine = cfg.rollout.dtype if quantization == "none" else f"{cfg.rollout.dtype}+{quantization}"
+        return cls(alert, engine_dtype=engine, trainer_dtype=cfg.model.dtype, family=family, log=log)
 
     def check(self, step: int, metrics: Mapping[str, float]) -> list[Alert]:
         """The statistics of `metrics` above their thresholds (pure; NaN never fires, inf does). A step with lagged

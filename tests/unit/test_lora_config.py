@@ -89,3 +89,10 @@ def test_adapter_directory_is_peft_shaped(tmp_path: Path) -> None:
     # verification reads every projection of the first and the last layer
     assert adapter_verify_stems(tensors) == [stem.format(layer, proj) for layer in (0, 2)
                                              for proj in ("o_proj", "q_proj")]
+
+
+def test_lora_on_a_quantized_engine_is_refused_naming_both_keys() -> None:
+    with pytest.raises(ConfigError, match=r"policy\.lora\.rank=8 with rollout\.quantization=int8"):
+        load_config(["policy.lora.rank=8", "rollout.quantization=int8"])
+    load_config(["policy.lora.rank=8"])  # each alone is fine
+    load_config(["rollout.quantization=int8"])

@@ -206,3 +206,19 @@ def test_the_measured_tiny_llama_lost_push_fires_at_factor_3_and_its_healthy_run
                      [first] + [lagged({1: k}) for k in healthy]) == [0.0] * 7
     assert run_steps(alarm(factor_over_floor=3, lag_reference_steps=2),
                      [first] + [lagged({1: k}) for k in lost]) == [0.0] * 6 + [1.0]
+
+
+def test_int8_rollouts_have_their_own_floors_a_normal_run_stays_quiet_and_a_broken_one_fires() -> None:
+    """rollout.quantization=int8: the alarm's setting is `<dtype>+int8` (`MismatchAlarm.from_run`), whose floors
+    hold a normal int8 step (SmolLM2's `nrc audit`: k3 0.055, max |dlogp| 8.8) under 5 x floor, while the bf16
+    floors would fire on it; a broken engine (k3 of a few nats) fires."""
+    cfg = load_config(["rollout.quantization=int8", "rollout_correction.alert.factor_over_floor=5"])
+    a = MismatchAlarm.from_run(cfg, moe=False, log=print)
+    assert a is not None and a.setting == "engine bfloat16+int8 / trainer float32 / dense"
+    normal = {"rollout_corr/k3_kl": 0.055, "rollout_corr/kl": 0.056, "rollout_corr/token_log_ratio_max": 8.8,
+              "rollout_corr/token_log_ratio_min": -6.0}
+    assert a.check(1, normal) == []
+    bf16 = MismatchAlarm.from_run(load_config(["rollout_correction.alert.factor_over_floor=5"]), moe=False, log=print)
+    assert bf16 is not None and {x.name for x in bf16.check(1, normal)} == {"k3_kl", "max_abs_log_ratio"}
+    broken = {**normal, "rollout_corr/k3_kl": 3.0, "rollout_corr/token_log_ratio_max": 80.0}
+    assert {x.name for x in a.check(2, broken)} == {"k3_kl", "max_abs_log_ratio"}

@@ -13,6 +13,9 @@ The paths, side by side:
 - `LoraAdapterRefit` (`lora_adapter.py`; a LoRA policy with `rollout.lora_sync=adapter`): the adapter only, as
   a PEFT directory vLLM loads as a new adapter per weight version (the previous one removed); the engine serves
   base + adapter. Verified (the workers' registered adapter tensors).
+- `Int8Refit` (`int8.py`; `rollout.quantization=int8`): the shared buffer holding the trainer's weights
+  re-quantized to int8 W8A8, loaded by the workers' int8 loader (`rollout/int8_load.py`) in place of vLLM's
+  reload (which leaves NaN logprobs on such an engine). Verified, int8 layers included.
 - `WeightTransferRefit` (`weight_transfer.py`; GPU, the `per_dp_group` shards of `external_launcher`): CUDA IPC
   handles of the trainer's GPU tensors through vLLM's weight-transfer API. Not verified; UNVERIFIED on a GPU.
 

@@ -48,7 +48,7 @@ class SharedBufferRefit(RefitPath):
     def push(self, engine: RefitTarget, named_tensors: Iterable[tuple[str, Tensor]], *,
              staging_dir: str | None = None) -> float:
         start = time.perf_counter()
-        state = dict(named_tensors)
+        state = self.buffer_tensors(named_tensors)
         if not state:
             raise ValueError("refit() got no tensors")
         dtype = getattr(torch, engine.options.dtype)
@@ -65,9 +65,8 @@ class SharedBufferRefit(RefitPath):
             self._buffer.write(state)
             written = time.perf_counter()
             engine.weight_version += 1  # before the load: even a failed, partial load salts the cache anew
-            buffer, direct = self._buffer, engine.options.direct_refit
-            self.report = engine.watched("weight refit", lambda: engine.llm.collective_rpc(
-                "nrc_reload_from_shared", args=(self._key, buffer.nbytes, self._wire, direct)))
+            method, args = self.load_call(engine)
+            self.report = engine.watched("weight refit", lambda: engine.llm.collective_rpc(method, args=args))
             self._buffer.unlink()  # every worker has mapped it now: no name left behind if a process dies
             engine.llm.reset_prefix_cache()
             self.phases = {
@@ -83,6 +82,15 @@ class SharedBufferRefit(RefitPath):
             raise RolloutEngineError(f"vLLM {engine.name}: weight refit failed: {type(exc).__name__}: {exc}") \
                 from exc
         return time.perf_counter() - start
+
+    def buffer_tensors(self, named_tensors: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
+        """The tensors the buffer holds for `named_tensors` (here: them; a quantized path quantizes)."""
+        return dict(named_tensors)
+
+    def load_call(self, engine: RefitTarget) -> tuple[str, tuple[object, ...]]:
+        """The worker extension's method that loads the buffer, and its arguments."""
+        assert self._buffer is not None
+        return "nrc_reload_from_shared", (self._key, self._buffer.nbytes, self._wire, engine.options.direct_refit)
 
     def verify(self, engine: RefitTarget) -> None:
         if self._buffer is None:
