@@ -13,9 +13,9 @@
 # What of it fits CI's 60 minutes next to the other lanes (about 45 minutes; times in docs/deployment.md):
 #   - the 2-node grpo.sbatch job with its time-limit requeue (about 5 to 15 minutes): always;
 #   - the GPU image's pins through pip's resolver (ci/resolve_gpu_pins.sh, about 1 to 2 minutes): always;
-#   - the CPU image built and run (ci/container_smoke.sh): always; NRC_CONTAINER_SMOKE=0 drops it. Cold on a new
-#     machine about 16 minutes at a load of 7 (its packages come from a machine-wide wheelhouse the host's pip fills
-#     first, not from downloads inside the build), about 6 when podman's store keeps the dependency layer.
+#   - the CPU image built and run (ci/container_smoke.sh): always; NRC_CONTAINER_SMOKE=0 drops it. Cold (empty podman
+#     store) 331 s in CI on a quiet machine, 992 s at a load of 7 with an empty wheelhouse (its packages come from a
+#     machine-wide wheelhouse the host's pip fills first, not from downloads inside the build).
 #   - `ci/slurm_cluster.sh down` after the PID files are gone (about 40 seconds): always.
 # Not in CI, by hand (NRC_SYSTEM_TESTS=tests/system runs every system test): `nrc launch` through NeMo-Run on
 # the cluster (about 4 to 7 minutes), grpo.sbatch in podman containers on the cluster (2.5 minutes at low load,
