@@ -52,3 +52,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_tied_policy(megatron_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A 2-layer tied-embedding tiny Llama as a MegatronPolicy at TP = 1, once per module (the packed-attention and
+    logit-position tests compare two forwards of one model)."""
+    from nemo_rollout_correction.models.policy import MegatronPolicy
+    from nemo_rollout_correction.models.sources import tiny_llama_dir
+
+    hf_dir = tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "tiny", hidden_size=128, num_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, vocab_size=512,
+                            tie_word_embeddings=True)
+    return MegatronPolicy.from_hf(hf_dir, seed=0)

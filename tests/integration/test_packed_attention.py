@@ -10,8 +10,6 @@ a single causal mask over the pack would break.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from default_lane import require
@@ -21,7 +19,6 @@ require("megatron.core", "megatron")
 from nemo_rollout_correction.models.packing import PackedRows
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.schedule import forward_microbatches, run_microbatches
-from nemo_rollout_correction.models.sources import tiny_llama_dir
 from nemo_rollout_correction.trainer.policy_update import row_loss_starts
 
 pytestmark = [pytest.mark.integration]
@@ -30,16 +27,8 @@ LENGTHS = torch.tensor([3, 41, 7, 26, 2])
 
 
 @pytest.fixture(scope="module")
-def megatron_state(megatron_runtime: Any) -> None:
-    """Megatron's parallel state at TP = 1 for this module (see conftest.megatron_runtime)."""
-
-
-@pytest.fixture(scope="module")
-def policy(megatron_state: None, tmp_path_factory: pytest.TempPathFactory) -> MegatronPolicy:
-    hf_dir = tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "tiny", hidden_size=128, num_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, vocab_size=512,
-                            tie_word_embeddings=True)
-    return MegatronPolicy.from_hf(hf_dir, seed=0)
+def policy(tiny_tied_policy: MegatronPolicy) -> MegatronPolicy:
+    return tiny_tied_policy
 
 
 def _rows(seed: int = 5) -> torch.Tensor:
