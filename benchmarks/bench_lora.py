@@ -15,9 +15,7 @@ weights + two Adam moments), trainable parameters, and the LoRA / full ratios.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-from datetime import timedelta
 from typing import Any
 
 
@@ -45,21 +43,16 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
+    from nemo_rollout_correction.distributed.runtime import init_runtime
     from nemo_rollout_correction.models.lora import LoraConfig
-    from nemo_rollout_correction.models.megatron_cpu import patch_cuda_for_cpu
     from nemo_rollout_correction.models.optimizer import OptimizerSettings, build_policy_optimizer
     from nemo_rollout_correction.models.policy import MegatronPolicy
     from nemo_rollout_correction.models.sources import resolve_model_source
     from nemo_rollout_correction.rollout.options import EngineOptions
     from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29519")
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=600))
-    patch_cuda_for_cpu()
-    ps.initialize_model_parallel()
+    init_runtime()  # a one-process gloo group and Megatron's parallel state at TP = 1
     hf_dir = str(resolve_model_source(args.model))
     sides: dict[str, dict[str, Any]] = {}
     for side, lora in (("full", LoraConfig()), ("lora", LoraConfig(rank=args.rank, alpha=2.0 * args.rank))):

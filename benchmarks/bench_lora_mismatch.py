@@ -14,8 +14,6 @@ k3 KL estimate (mean of exp(d) - 1 - d, d = trainer - engine).
 from __future__ import annotations
 
 import argparse
-import os
-from datetime import timedelta
 
 
 def main() -> None:
@@ -30,20 +28,15 @@ def main() -> None:
 
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
+    from nemo_rollout_correction.distributed.runtime import init_runtime
     from nemo_rollout_correction.models.lora import LoraConfig, adapters
-    from nemo_rollout_correction.models.megatron_cpu import patch_cuda_for_cpu
     from nemo_rollout_correction.models.policy import MegatronPolicy
     from nemo_rollout_correction.models.sources import resolve_model_source
     from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
     from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29521")
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=600))
-    patch_cuda_for_cpu()
-    ps.initialize_model_parallel()
+    init_runtime()  # a one-process gloo group and Megatron's parallel state at TP = 1
     hf_dir = str(resolve_model_source(args.model))
     lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
     policy = MegatronPolicy.from_hf(hf_dir, lora=lora)
