@@ -108,6 +108,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seeds", type=int, default=3, help="seeds per cell: run.seed = 1..N (default 3)")
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per run (default 6)")
     p.add_argument("--window", type=int, default=2, help="steps averaged for 'first' and 'last' reward")
+    p.add_argument("--limit", action="append", default=[], metavar="DTYPE=C1,C2",
+                   help="run only these corrections for DTYPE (repeatable), e.g. bfloat16=disabled,token_tis keeps "
+                        "the reference precision to two cells while the others run every --corrections")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out evaluation every N steps (eval.every_n_steps; 0: none). The table then gains the "
+                        "held-out reward (mean of the last --eval-window evaluations) and its paired difference "
+                        "to the same seed's `disabled` cell")
+    p.add_argument("--eval-window", type=int, default=2, help="evaluations averaged for the held-out reward")
     p.add_argument("--experiment", default="nrc-mismatch", help="MLflow experiment holding one run per cell")
     p.add_argument("--table", help="also splice the table into this markdown file between the markers")
     p.add_argument("--marker", default="bench_mismatch",
@@ -126,10 +134,23 @@ def grid(args: argparse.Namespace) -> list[Cell]:
     if bad:
         raise SystemExit(f"--dtypes: unknown {bad}; allowed: {list(PRECISIONS)}")
     corrections = [c for c in args.corrections.split(",") if c]
+    limits = correction_limits(args.limit, dtypes)
     stalenesses = staleness_values(args.staleness)
     # Seed-major order: an interrupted grid still holds every (dtype, staleness, correction) cell for its first seeds.
     return [Cell(d, c, s, k) for s in range(1, args.seeds + 1) for d in dtypes for k in stalenesses
-            for c in corrections]
+            for c in limits.get(d, corrections)]
+
+
+def correction_limits(items: list[str], dtypes: list[str]) -> dict[str, list[str]]:
+    """`--limit DTYPE=C1,C2` items as {dtype: [corrections]}; a dtype not named runs every `--corrections`."""
+    limits: dict[str, list[str]] = {}
+    for item in items:
+        dtype, sep, names = item.partition("=")
+        corrections = [c for c in names.split(",") if c]
+        if not sep or dtype not in dtypes or not corrections:
+            raise SystemExit(f"--limit: {item!r} is not DTYPE=C1,C2 with DTYPE one of --dtypes {dtypes}")
+        limits[dtype] = corrections
+    return limits
 
 
 def staleness_values(text: str) -> list[int | None]:
@@ -159,6 +180,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, extra: list[str], out: Path) 
         f"rollout_correction={cell.correction}", f"run.seed={cell.seed}",
         *([] if cell.staleness is None else [f"rollout.max_staleness={cell.staleness}"]),
         f"run.num_steps={args.steps}", f"run.name={cell.name}", f"run.output_dir={run_dir}",
+        *([f"eval.every_n_steps={args.eval_every}"] if args.eval_every else []),
         f"tracking.experiment={args.experiment}", f"tracking.tracking_uri=sqlite:///{out.resolve() / 'mlflow.db'}",
         "tracking.system_metrics=false", "tracking.plot_every=0", "checkpoint.every_n_steps=0", "export.at_end=false",
         *extra,
@@ -199,21 +221,38 @@ def _over_seeds(runs: list[list[dict[str, Any]]], key: str, part: slice,
     return _mean_std(per_run)
 
 
-def summarize(results: dict[Cell, list[dict[str, Any]]], window: int) -> list[dict[str, Any]]:
+EVAL_KEY = "eval/reward_mean"
+"""The held-out outcome: mean reward of the sampled responses to the fixed held-out prompts (evaluation.py)."""
+
+
+def held_out(steps: list[dict[str, Any]], window: int) -> float:
+    """The mean of `EVAL_KEY` over a run's last `window` evaluations (NaN if it never evaluated)."""
+    evals = [float(s[EVAL_KEY]) for s in steps if EVAL_KEY in s]
+    return statistics.fmean(evals[-window:]) if evals else math.nan
+
+
+def summarize(results: dict[Cell, list[dict[str, Any]]], window: int, eval_window: int = 2) -> list[dict[str, Any]]:
     """One row per (dtype, staleness, correction): seed-averaged reward first/last, KL, grad norm (mean and the
-    largest step's, which shows a divergence), kept fraction."""
+    largest step's, which shows a divergence), kept fraction; with evaluations, the held-out reward and its
+    paired (same seed) difference to the `disabled` cell of the same dtype and staleness."""
     rows = []
     keys = sorted({(c.dtype, c.staleness, c.correction) for c in results},
                   key=lambda k: (list(PRECISIONS).index(k[0]), -1 if k[1] is None else k[1], k[2]))
     for dtype, staleness, correction in keys:
-        runs = [steps for cell, steps in results.items()
-                if (cell.dtype, cell.staleness, cell.correction) == (dtype, staleness, correction)]
+        cells = {cell.seed: steps for cell, steps in results.items()
+                 if (cell.dtype, cell.staleness, cell.correction) == (dtype, staleness, correction)}
+        runs = list(cells.values())
         w = max(1, min(window, min(len(s) for s in runs) // 2 or 1))
+        baseline = {cell.seed: held_out(steps, eval_window) for cell, steps in results.items()
+                    if (cell.dtype, cell.staleness, cell.correction) == (dtype, staleness, "disabled")}
+        paired = [held_out(steps, eval_window) - baseline[seed] for seed, steps in cells.items() if seed in baseline]
         rows.append({
             "dtype": dtype, "staleness": staleness, "correction": correction, "seeds": len(runs),
             "steps": min(len(s) for s in runs),
             "reward_first": _over_seeds(runs, "reward/mean", slice(0, w)),
             "reward_last": _over_seeds(runs, "reward/mean", slice(-w, None)),
+            "held_out": _mean_std([held_out(s, eval_window) for s in runs]),
+            "held_out_vs_disabled": _mean_std(paired) if correction != "disabled" else (math.nan, math.nan),
             "k3_kl": _over_seeds(runs, "rollout_corr/k3_kl", slice(None)),
             "grad_norm": _over_seeds(runs, "loss/grad_norm", slice(None)),
             "grad_norm_max": _over_seeds(runs, "loss/grad_norm", slice(None), reduce=_nanmax),
@@ -227,27 +266,35 @@ def _nanmax(values: list[float]) -> float:
     return max(finite) if finite else math.nan
 
 
-def table(rows: list[dict[str, Any]], window: int) -> str:
+def table(rows: list[dict[str, Any]], window: int, eval_window: int = 2) -> str:
     """The markdown table of `summarize`'s rows; with the staleness axis, a max_staleness and a largest-grad-norm
-    column too."""
+    column too; with evaluations, the held-out reward and its paired difference to `disabled`."""
     def ms(pair: tuple[float, float], fmt: str) -> str:
         mean, std = pair
-        return "-" if math.isnan(mean) else f"{mean:{fmt}} ± {std:{fmt}}"
+        return "-" if math.isnan(mean) else f"{mean:{fmt}} ± {std:{fmt.lstrip('+')}}"
 
     stale = any(r.get("staleness") is not None for r in rows)
-    lines = [f"| engine | trainer |{' max_staleness |' if stale else ''} correction | seeds x steps "
-             f"| reward, first {window} steps | reward, last {window} steps | mean k3 KL | mean grad norm "
-             f"|{' largest grad norm |' if stale else ''} mean kept |",
-             "|---|---|" + ("--:|" if stale else "") + "---|---|--:|--:|--:|--:|" + ("--:|" if stale else "") + "--:|"]
+    evals = any(not math.isnan(r["held_out"][0]) for r in rows)
+    head = (f"| engine | trainer |{' max_staleness |' if stale else ''} correction | seeds x steps "
+            f"| reward, first {window} steps | reward, last {window} steps |")
+    rule = "|---|---|" + ("--:|" if stale else "") + "---|---|--:|--:|"
+    if evals:
+        head += f" held-out reward, last {eval_window} evals | held-out vs disabled, paired |"
+        rule += "--:|--:|"
+    head += f" mean k3 KL | mean grad norm |{' largest grad norm |' if stale else ''} mean kept |"
+    rule += "--:|--:|" + ("--:|" if stale else "") + "--:|"
+    lines = [head, rule]
     for r in rows:
         engine, trainer = PRECISIONS[r["dtype"]]
         engine += f"+{QUANTIZED[r['dtype']]}" if r["dtype"] in QUANTIZED else ""
-        staleness = f" {r['staleness']} |" if stale else ""
-        largest = f" {ms(r['grad_norm_max'], '.3f')} |" if stale else ""
-        lines.append(f"| {engine} | {trainer} |{staleness} {r['correction']} | {r['seeds']} x {r['steps']} "
-                     f"| {ms(r['reward_first'], '.3f')} | {ms(r['reward_last'], '.3f')} | {ms(r['k3_kl'], '.2e')} "
-                     f"| {ms(r['grad_norm'], '.3f')} |{largest}"
-                     f" {ms(r['kept'], '.3f')} |")
+        line = f"| {engine} | {trainer} |" + (f" {r['staleness']} |" if stale else "")
+        line += (f" {r['correction']} | {r['seeds']} x {r['steps']} "
+                 f"| {ms(r['reward_first'], '.3f')} | {ms(r['reward_last'], '.3f')} |")
+        if evals:
+            line += f" {ms(r['held_out'], '.3f')} | {ms(r['held_out_vs_disabled'], '+.3f')} |"
+        line += f" {ms(r['k3_kl'], '.2e')} | {ms(r['grad_norm'], '.3f')} |"
+        line += (f" {ms(r['grad_norm_max'], '.3f')} |" if stale else "") + f" {ms(r['kept'], '.3f')} |"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -260,10 +307,13 @@ def plot(results: dict[Cell, list[dict[str, Any]]], path: Path) -> None:
     panels = sorted({(c.dtype, c.staleness) for c in results},
                     key=lambda k: (list(PRECISIONS).index(k[0]), -1 if k[1] is None else k[1]))
     corrections = sorted({c.correction for c in results})
-    fig = Figure(figsize=(4.2 * len(METRICS), 3.0 * len(panels)), layout="constrained")
-    axes = fig.subplots(len(panels), len(METRICS), squeeze=False)
+    metrics = dict(METRICS)
+    if any(EVAL_KEY in step for steps in results.values() for step in steps):
+        metrics = {"held-out reward (eval/reward_mean)": EVAL_KEY, **metrics}
+    fig = Figure(figsize=(4.2 * len(metrics), 3.0 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), len(metrics), squeeze=False)
     for row, (dtype, staleness) in enumerate(panels):
-        for col, (title, key) in enumerate(METRICS.items()):
+        for col, (title, key) in enumerate(metrics.items()):
             ax = axes[row][col]
             for i, correction in enumerate(corrections):
                 runs = [s for c, s in results.items()
@@ -271,9 +321,11 @@ def plot(results: dict[Cell, list[dict[str, Any]]], path: Path) -> None:
                 if not runs:
                     continue
                 n = min(len(s) for s in runs)
-                mean = [statistics.fmean(float(s[i].get(key, math.nan)) for s in runs) for i in range(n)]
+                # Only the steps where the metric exists (evaluations run every --eval-every steps).
+                xs = [j for j in range(n) if all(key in s[j] for s in runs)]
+                mean = [statistics.fmean(float(s[j][key]) for s in runs) for j in xs]
                 # Distinct markers and dashes: identical curves (e.g. correction that never triggers) stay visible.
-                ax.plot(range(1, n + 1), mean, marker="osd^v"[i % 5], markersize=5 - i, linewidth=1.5,
+                ax.plot([j + 1 for j in xs], mean, marker="osd^v"[i % 5], markersize=max(2, 6 - i), linewidth=1.5,
                         linestyle=("-", "--", ":", "-.")[i % 4], label=correction)
             stale = "" if staleness is None else f", max_staleness {staleness}"
             quant = f"+{QUANTIZED[dtype]}" if dtype in QUANTIZED else ""
@@ -323,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{elapsed / i * (len(cells) - i) / 60:.1f} min", file=sys.stderr, flush=True)
     if not results:
         raise SystemExit(f"[bench_mismatch] no finished cell under {out / 'runs'}")
-    rows = summarize(results, args.window)
-    text = table(rows, args.window)
+    rows = summarize(results, args.window, args.eval_window)
+    text = table(rows, args.window, args.eval_window)
     (out / "summary.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
     plot(results, out / "summary.png")

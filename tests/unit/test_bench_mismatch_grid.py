@@ -79,3 +79,39 @@ def test_splice_keeps_other_markers(bench: ModuleType, tmp_path: Path) -> None:
     text = page.read_text()
     assert "new precision" in text and "\nprecision\n" not in text
     assert text.endswith("<!-- bench_staleness:begin -->\nstaleness table\n<!-- bench_staleness:end -->\n")
+
+
+def test_limit_keeps_the_reference_precision_to_its_cells(bench: ModuleType) -> None:
+    args, _ = bench.parse_args(["--dtypes", "int8,bfloat16", "--corrections", "disabled,token_tis,seq_is",
+                                "--limit", "bfloat16=disabled,token_tis", "--seeds", "1"])
+    assert [c.name for c in bench.grid(args)] == ["int8-disabled-s1", "int8-token_tis-s1", "int8-seq_is-s1",
+                                                  "bfloat16-disabled-s1", "bfloat16-token_tis-s1"]
+    args, _ = bench.parse_args(["--dtypes", "int8", "--limit", "float16=disabled"])
+    with pytest.raises(SystemExit, match=r"--limit: 'float16=disabled' is not DTYPE=C1,C2"):
+        bench.grid(args)
+
+
+def test_held_out_reward_is_paired_with_the_same_seeds_uncorrected_run(bench: ModuleType) -> None:
+    def run(evals: dict[int, float]) -> list[dict[str, float]]:
+        steps: list[dict[str, float]] = [{"reward/mean": 0.0, "loss/grad_norm": 1.0, "rollout_corr/k3_kl": 0.05,
+                                          "rollout_corr/kept_token_fraction": 1.0} for _ in range(6)]
+        for step, value in evals.items():
+            steps[step - 1]["eval/reward_mean"] = value
+        return steps
+
+    cell = bench.Cell
+    results = {  # evaluations at steps 2, 4, 6; the held-out reward averages the last two
+        cell("int8", "disabled", 1): run({2: -9.0, 4: -0.6, 6: -0.4}),   # 1: -0.5
+        cell("int8", "disabled", 2): run({2: -9.0, 4: -0.2, 6: -0.2}),   # 2: -0.2
+        cell("int8", "token_tis", 1): run({2: 9.0, 4: -0.3, 6: -0.1}),   # 1: -0.2, paired +0.3
+        cell("int8", "token_tis", 2): run({2: 9.0, 4: -0.1, 6: -0.1}),   # 2: -0.1, paired +0.1
+    }
+    rows = {r["correction"]: r for r in bench.summarize(results, window=2, eval_window=2)}
+    assert rows["disabled"]["held_out"][0] == pytest.approx(-0.35)
+    assert rows["token_tis"]["held_out"][0] == pytest.approx(-0.15)
+    assert rows["token_tis"]["held_out_vs_disabled"][0] == pytest.approx(0.2)
+    assert rows["token_tis"]["held_out_vs_disabled"][1] == pytest.approx(0.1414, abs=1e-3)  # std of +0.3, +0.1
+    text = bench.table(list(rows.values()), window=2, eval_window=2)
+    assert "held-out reward, last 2 evals | held-out vs disabled, paired |" in text
+    assert "| int8 | float32 | token_tis | 2 x 6 | 0.000 ± 0.000 | 0.000 ± 0.000 | -0.150 ± 0.071 | +0.200 ± 0.141 |" \
+        in text.replace("bfloat16+int8", "int8")
