@@ -9,6 +9,8 @@ for an unexpected failure (which keeps its `Type: message` and the traceback in 
   there against what a checkpoint of this run takes, and the last complete checkpoint, which is kept;
 - `engine_killed`: a vLLM engine process killed by SIGKILL (the kernel's out-of-memory killer): the engine and
   its memory setting;
+- `refused_checkpoint`: the checkpoint to resume from is unsafe (a file that would run code) or corrupt (truncated,
+  unreadable, a damaged `meta.json`): the file and the previous complete checkpoint (the door's error says both);
 - `port_in_use`: the process group's rendezvous port (`MASTER_PORT`) is taken;
 - `missing_model`: `model.source` names a directory that does not exist, with the allowed choices.
 
@@ -32,7 +34,7 @@ from nemo_rollout_correction.distributed.runtime import PortInUseError
 from nemo_rollout_correction.models.sources import ModelSourceNotFoundError
 from nemo_rollout_correction.rollout.errors import EngineProcessDiedError
 from nemo_rollout_correction.trainer import checkpoint as ckpt
-from nemo_rollout_correction.trainer.checkpoint_door import META_FILE
+from nemo_rollout_correction.trainer.checkpoint_door import META_FILE, CorruptCheckpointError, UnsafeCheckpointError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MIB = 2**20
@@ -127,6 +129,14 @@ def engine_killed(error: BaseException, cfg: TrainConfig) -> str | None:
             "lower it, run fewer engines per node, or give the job more memory")
 
 
+def refused_checkpoint(error: BaseException, cfg: TrainConfig) -> str | None:
+    """A checkpoint file refused by the door (trainer/checkpoint_door.py): its error names the file and the
+    previous complete checkpoint; nothing of it was loaded."""
+    if isinstance(error, (UnsafeCheckpointError, CorruptCheckpointError)):
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def port_in_use(error: BaseException, cfg: TrainConfig) -> str | None:
     """The rendezvous port (`MASTER_PORT`) is taken: the port and what to do (the error says both)."""
     return str(error) if isinstance(error, PortInUseError) else None
@@ -138,7 +148,7 @@ def missing_model(error: BaseException, cfg: TrainConfig) -> str | None:
 
 
 ROWS: tuple[Callable[[BaseException, TrainConfig], str | None], ...] = (
-    disk_full, engine_killed, port_in_use, missing_model)
+    disk_full, engine_killed, refused_checkpoint, port_in_use, missing_model)
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
@@ -163,4 +173,4 @@ def _free_bytes(path: Path) -> int:
     return 0
 
 
-__all__ = ["ROWS", "disk_full", "engine_killed", "explain", "missing_model", "port_in_use"]
+__all__ = ["ROWS", "disk_full", "engine_killed", "explain", "missing_model", "port_in_use", "refused_checkpoint"]

@@ -37,13 +37,18 @@ EXIT_FAILED = 1
 def _resume_run_id(cfg: TrainConfig) -> str | None:
     """The MLflow run id stored in the newest checkpoint when resuming (None otherwise)."""
     from nemo_rollout_correction.trainer import checkpoint as ckpt
+    from nemo_rollout_correction.trainer.checkpoint_door import CorruptCheckpointError
 
     if not cfg.run.resume:
         return None
     step_dir = ckpt.latest_checkpoint(Path(cfg.checkpoint_dir))
     if step_dir is None:
         return None
-    run_id = ckpt.load_meta(step_dir).get("observer", {}).get("mlflow_run_id")
+    try:
+        meta = ckpt.load_meta(step_dir)
+    except CorruptCheckpointError:  # unknown run id: a new MLflow run records the failure, which
+        return None                      # `_check_resume_checkpoint` raises with its one line
+    run_id = meta.get("observer", {}).get("mlflow_run_id")
     return str(run_id) if run_id else None
 
 

@@ -65,6 +65,7 @@ from nemo_rollout_correction.trainer.checkpoint_door import (
     VerifiedCheckpoint,
     complete_steps,
     open_checkpoint,
+    read_meta,
 )
 
 FORMAT = "nrc-dist-checkpoint/1"
@@ -515,9 +516,9 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 
 def load_meta(step_dir: Path) -> dict[str, Any]:
-    """The `meta.json` of a complete checkpoint."""
-    meta: dict[str, Any] = json.loads((Path(step_dir) / META_FILE).read_text())
-    return meta
+    """The `meta.json` of a complete checkpoint (`checkpoint_door.read_meta`: a damaged one is a
+    `CorruptCheckpointError` naming the file)."""
+    return read_meta(step_dir)
 
 
 def directory_size(path: Path) -> int:

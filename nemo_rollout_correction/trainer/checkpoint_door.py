@@ -138,15 +138,28 @@ def open_checkpoint(step_dir: Path) -> VerifiedCheckpoint:
     _check_format(step_dir)
     try:
         metadata = verify_checkpoint_files(step_dir)
-        meta_path = step_dir / META_FILE
-        meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(exc.path, exc.reason, previous_complete(step_dir)) from exc
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(exc.path, exc.error, previous_complete(step_dir)) from exc
-    except json.JSONDecodeError as exc:
-        raise CorruptCheckpointError(step_dir / META_FILE, exc, previous_complete(step_dir)) from exc
+    meta = read_meta(step_dir) if (step_dir / META_FILE).is_file() else {}
     return VerifiedCheckpoint(step_dir=step_dir, meta=meta, tensor_names=_tensor_names(metadata))
+
+
+def read_meta(step_dir: Path) -> dict[str, Any]:
+    """The checkpoint's `meta.json` (plain JSON, so read without the door's checks: the resume checks read it first).
+
+    Raises `CorruptCheckpointError` naming the file and the previous complete checkpoint when it is missing,
+    unreadable or not a JSON object, so a damaged one never surfaces as a JSON traceback.
+    """
+    path = Path(step_dir) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+        if not isinstance(meta, dict):
+            raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CorruptCheckpointError(path, exc, previous_complete(Path(step_dir))) from exc
+    return meta
 
 
 def _check_format(step_dir: Path) -> None:
@@ -310,5 +323,6 @@ __all__ = [
     "load_data_file",
     "open_checkpoint",
     "previous_complete",
+    "read_meta",
     "verify_checkpoint_files",
 ]

@@ -111,13 +111,17 @@ def check_config_resumes(cfg: Any) -> None:
     from nemo_rollout_correction.config.loader import defaults_dict, to_dict
     from nemo_rollout_correction.config.redaction import redact_tree
     from nemo_rollout_correction.trainer import checkpoint as ckpt
+    from nemo_rollout_correction.trainer.checkpoint_door import CorruptCheckpointError
 
     if not cfg.run.resume:
         return
     step_dir = ckpt.latest_checkpoint(Path(cfg.checkpoint_dir))
     if step_dir is None:
         return
-    meta = ckpt.load_meta(step_dir)
+    try:
+        meta = ckpt.load_meta(step_dir)
+    except CorruptCheckpointError:  # the door refuses it inside the run, whose MLflow record then ends FAILED
+        return
     check_resume(str(step_dir), meta.get("config", {}), redact_tree(to_dict(cfg)),
                  has_optimizer=bool(meta.get("has_optimizer", True)), defaults=redact_tree(defaults_dict()))
 

@@ -171,3 +171,31 @@ def test_a_planted_pickle_is_refused_by_every_reader_without_running(trained: Pa
     proc = _nrc(["export", str(out), "--output", str(tmp_path / "hf")], tmp_path)
     _assert_refused(proc, "nrc export: ", path, previous, marker)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_a_damaged_meta_json_is_one_line_naming_it_for_every_reader(trained: Path, tmp_path: Path) -> None:
+    """`meta.json` is plain JSON read before the door (the resume checks, the MLflow run id): a truncated one is
+    `CorruptCheckpointError` naming it, never a JSON traceback; the run it starts ends FAILED with the line."""
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    meta, previous = out / "checkpoints" / "step_2" / "meta.json", out / "checkpoints" / "step_1"
+    meta.write_text(meta.read_text()[:20])
+
+    proc = _nrc(["train", *TRAIN, "run.num_steps=3", f"run.output_dir={out}", "run.resume=true"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if str(meta) in x]
+    assert line.startswith("nrc train: failed at step 0: ") and f"{meta}: unreadable checkpoint file" in line, line
+    assert line.endswith(f"the previous complete checkpoint is {previous}") and "Traceback" not in proc.stderr
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("nemo_rollout_correction").experiment_id])
+    failed = [r for r in runs if r.info.status == "FAILED"]  # the run id is in the damaged file: a new run records it
+    assert len(failed) == 1 and str(meta) in failed[0].data.tags["nrc.error"]
+
+    proc = _nrc(["export", str(out), "--output", str(tmp_path / "hf")], tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if str(meta) in x]
+    assert line.startswith("nrc export: ") and "unreadable checkpoint file" in line, line
+    assert not (tmp_path / "hf").exists()

@@ -8,6 +8,7 @@ Real files: torch.save / torch.distributed.checkpoint writes, read through the o
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 from pathlib import Path
@@ -163,6 +164,20 @@ def test_a_truncated_shard_names_the_file_and_the_previous_checkpoint(tmp_path: 
     with pytest.raises(door.CorruptCheckpointError) as info:
         door.open_checkpoint(step)
     assert str(shard) in str(info.value) and str(tmp_path / "step_1") in str(info.value)
+
+
+@pytest.mark.parametrize("text", ['{"step": 2', "[1, 2]", "\udcff"])
+def test_a_damaged_meta_json_names_the_file_and_the_previous_checkpoint(tmp_path: Path, text: str) -> None:
+    """The resume checks and the MLflow run id lookup read `meta.json` through `load_meta` before the door."""
+    for step in (1, 2):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "meta.json").write_text(json.dumps({"step": step}))
+    damaged = tmp_path / "step_2" / "meta.json"
+    damaged.write_bytes(text.encode("utf-8", "surrogateescape"))
+    assert ckpt.load_meta(tmp_path / "step_1") == {"step": 1}
+    with pytest.raises(door.CorruptCheckpointError, match=r"unreadable checkpoint file") as info:
+        ckpt.load_meta(tmp_path / "step_2")
+    assert str(damaged) in str(info.value) and str(tmp_path / "step_1") in str(info.value)
 
 
 def test_another_megatron_backend_is_refused(tmp_path: Path) -> None:

@@ -172,3 +172,18 @@ def test_an_engine_that_exits_keeps_the_plain_message() -> None:
     assert explain(died, load_config([])) is None
     assert str(died) == ("vLLM engine of rank 0: its engine process died during generate (pid 7, exit code 1); "
                          "the run cannot go on without it")
+
+
+def test_a_refused_checkpoint_is_its_own_line_through_a_wrapping_error(tmp_path: Path) -> None:
+    """The door's refusal names the file and the previous checkpoint; wrapped (a rank's failure) it still is the
+    line, without the `(traceback in ...)` an unexpected failure gets."""
+    from nemo_rollout_correction.trainer.checkpoint_door import CorruptCheckpointError
+
+    meta = tmp_path / "step_2" / "meta.json"
+    corrupt = CorruptCheckpointError(meta, json.JSONDecodeError("Expecting value", "", 0), tmp_path / "step_1")
+    try:
+        raise RuntimeError("rank 0 failed") from corrupt
+    except RuntimeError as wrapped:
+        line = explain(wrapped, load_config([]))
+    assert line == (f"CorruptCheckpointError: {meta}: unreadable checkpoint file (JSONDecodeError: Expecting value: "
+                    f"line 1 column 1 (char 0)); the previous complete checkpoint is {tmp_path / 'step_1'}")
