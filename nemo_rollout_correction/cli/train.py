@@ -116,11 +116,12 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
     try:
         runtime = init_runtime(cfg.policy.tensor_parallel_size, cfg.policy.pipeline_parallel_size,
                                cfg.policy.context_parallel_size)
-    except Exception as exc:  # a port in use: one line (no MLflow run exists yet); anything else as it is
+    except Exception as exc:  # a port in use: one line, and an MLflow run that says so; anything else as it is
         line = explain(exc, cfg)
         if line is None:
             raise
         console.print(f"nrc train: {line}")
+        _record_early_failure(cfg, exc, line)
         return EXIT_FAILED
     barrier()  # the start barrier: rank 0 has claimed the run directory (`_run_train`) before any rank goes on
     console.capture_library_output(log_path)  # other ranks' logs (rank 0's is already captured)
@@ -188,6 +189,26 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
             console.print(line)
         console.print(f"[nrc train] done: {cfg.run.num_steps} steps; outputs in {cfg.run.output_dir}")
     return code
+
+
+def _record_early_failure(cfg: TrainConfig, error: BaseException, line: str) -> None:
+    """An MLflow run ended FAILED with `line` for a failure before the process group exists (rank 0 only, by
+    `RANK`): the run's config and the reason are on record like any other failed run. A tracking store that
+    cannot be reached leaves the terminal line as the only record."""
+    if int(os.environ.get("RANK", "0")) != 0 or not cfg.tracking.enabled:
+        return
+    from nemo_rollout_correction.cli.observer import record_error
+    from nemo_rollout_correction.tracking import MlflowTracker, TrackingUnavailableError
+
+    tracker = MlflowTracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.run.name, cfg.run.output_dir,
+                            rank=0, resume_run_id=_resume_run_id(cfg), system_metrics=False)
+    try:
+        tracker.start()
+    except TrackingUnavailableError:
+        return
+    tracker.log_config(to_dict(cfg))
+    record_error(tracker, error, Path(cfg.run.output_dir), line)
+    tracker.close("FAILED")
 
 
 def _check_resume_checkpoint(cfg: TrainConfig) -> None:

@@ -1,9 +1,9 @@
 """Every expected failure of `nrc train` is one clear line, and the MLflow run ends FAILED with it (issue 36, item 4;
-cli/failures.py). The real CLI, failing before any model work: a port in use (`MASTER_PORT` taken; the process group
-comes before the MLflow run, so there is none) and a missing model directory (`model.source`). Disk full and an
-engine killed by the OOM killer: tests/unit/test_failure_lines.py; their CLI versions are slow (a training run):
-disk full below (a tmpfs as `checkpoint.dir`, filled after the first checkpoint), the engine killed with SIGKILL in
-tests/integration/test_cluster_grade_cli.py.
+cli/failures.py). The real CLI, failing before any model work: a port in use (`MASTER_PORT` taken, before the
+process group exists: rank 0 still records a FAILED MLflow run) and a missing model directory (`model.source`).
+Disk full and an engine killed by the OOM killer: tests/unit/test_failure_lines.py; their CLI versions are slow (a
+training run): disk full below (a tmpfs as `checkpoint.dir`, filled after the first checkpoint), the engine killed
+with SIGKILL in tests/integration/test_cluster_grade_cli.py.
 """
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ def test_a_port_in_use_is_named_with_what_to_do(tmp_path: Path) -> None:
     assert line == (f"nrc train: port {port} (MASTER_PORT) on 127.0.0.1 is in use by another process, so "
                     "torch.distributed cannot listen on it: unset MASTER_PORT (a run started directly picks a free "
                     "port) or set it to a free port (`ss -ltnp` shows who holds this one)")
+    _assert_failed_run(tmp_path / "run", line.removeprefix("nrc train: "))
 
 
 def test_a_missing_model_directory_is_named_with_the_choices(tmp_path: Path) -> None:
-    from mlflow.tracking import MlflowClient
-
     out, missing = tmp_path / "run", tmp_path / "no" / "such" / "model"
     proc = subprocess.run([*NRC_TRAIN, f"model.source={missing}", f"run.output_dir={out}"], cwd=tmp_path,
                           env=cli_env(), capture_output=True, text=True, timeout=600)
@@ -57,10 +56,17 @@ def test_a_missing_model_directory_is_named_with_the_choices(tmp_path: Path) -> 
             "builtin sources ['smollm2-135m', 'tiny-llama'] or a path to a Hugging Face checkpoint directory "
             "containing config.json")
     assert _one_line(proc.stderr, "nrc train: failed") == f"nrc train: failed at step 0: {want}"
+    _assert_failed_run(out, want)
+
+
+def _assert_failed_run(out: Path, line: str) -> None:
+    """The run's one MLflow run (the default sqlite store in the run directory) ended FAILED with `line`."""
+    from mlflow.tracking import MlflowClient
+
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("nemo_rollout_correction").experiment_id])
     assert run.info.status == "FAILED"
-    assert run.data.tags["nrc.error"] == want
+    assert run.data.tags["nrc.error"] == line
 
 
 @pytest.fixture
