@@ -201,6 +201,9 @@ class GrpoTrainer:
         if self.report.alarm is not None and meta.get("mismatch_alarm"):  # its lag references, not re-learnt
             self.report.alarm.load_state_dict(meta["mismatch_alarm"])
         self.step_index = int(meta["step"])
+        rewound = self.report.rewind(self.step_index)
+        if rewound:
+            self.log(rewound)
         self.fleet.refit(self.policy)  # the engine started from the Hugging Face files: give it the checkpoint's
         self.fleet.in_flight.restore(checkpoint)
         self.log(f"[nrc train] resumed from {step_dir} (step {self.step_index})")

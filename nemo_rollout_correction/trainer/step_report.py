@@ -247,6 +247,31 @@ class StepReport:
             with self.metrics_path.open("a") as handle:
                 handle.write(json.dumps({"step": step, **metrics}) + "\n")
 
+    def rewind(self, step: int) -> str | None:
+        """On resume from the checkpoint of `step`: move the `metrics.jsonl` rows of later steps (recorded by the
+        run that died before its next checkpoint, and about to be run again) to `metrics.after_step_<step>.jsonl`,
+        so `metrics.jsonl` holds each step once. Returns a line saying what moved (None: nothing to move)."""
+        if not self.is_main or not self.metrics_path.is_file():
+            return None
+        kept: list[str] = []
+        later: list[str] = []
+        for line in self.metrics_path.read_text().splitlines(keepends=True):
+            try:
+                row_step = int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError):  # a torn last line of the crashed run: not a step of this run
+                row_step = step + 1
+            (later if row_step > step else kept).append(line)
+        if not later:
+            return None
+        aside = self.metrics_path.with_name(f"metrics.after_step_{step}.jsonl")
+        with aside.open("a") as handle:  # a second crash after the same checkpoint appends, nothing is lost
+            handle.writelines(later)
+        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.metrics_path)
+        return (f"[nrc train] {self.metrics_path.name}: {len(later)} rows recorded after the step-{step} checkpoint "
+                f"moved to {aside.name} (those steps run again)")
+
     def publish(self, step: int, metrics: dict[str, float], review: StepReview | None) -> None:
         """Report step `step` (1-based): the mismatch alarm, `metrics.jsonl`, then the observer (with the review on
         its review steps); collective when the alarm is strict."""
