@@ -6,8 +6,9 @@
 - Only adapters are trainable and held by the optimizer; base weights never move.
 - TP=2 equals TP=1 and DP=2 equals DP=1 (regular and distributed optimizer) over 2 updates: losses, grad norms,
   the PEFT adapter tensors (gathered and converted to Hugging Face names) and the merged weights.
-- Checkpoints hold the adapters only, and checkpointed adapters reshard across TP (saved at TP=2, loaded at TP=1 and back) bit for bit, the SwiGLU
-  `linear_fc1`'s B included (found by this test: its per-rank [gate; up] rows need W's gate/up split).
+- Checkpoints hold the adapters only, and checkpointed adapters reshard across TP (saved at TP=2, loaded at TP=1
+  and back) bit for bit, the SwiGLU `linear_fc1`'s B included (found by this test: its per-rank [gate; up] rows
+  need W's gate/up split).
 """
 
 from __future__ import annotations
