@@ -12,7 +12,9 @@ reports:
   keep, and the fraction of sequences it would drop;
 - the worst sequences by max |token log ratio|, with their text;
 - with `rollout.routing_replay=r3` (MoE): the router agreement (`rollout/router_agreement`) and the mismatch
-  with and without replaying the rollout's routing (the same tokens re-scored twice).
+  with and without replaying the rollout's routing (the same tokens re-scored twice);
+- with `policy.lora` (audit/lora.py): the engine's unmerged adapter against the trainer, next to the merged
+  control (`W + alpha/r B A` pushed as full weights).
 
 It is the same data path as the trainer (rollout engine -> token ids -> `MegatronPolicy.token_logprobs`),
 so a clean audit means the training run starts on-policy up to numerics.
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor
 
 from nemo_rollout_correction.audit import probes
+from nemo_rollout_correction.audit.lora import format_lora_rows, lora_comparison
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import compute_rollout_correction
@@ -112,6 +115,10 @@ class AuditReport:
     between the trainer and a transformers forward in the engine's dtype."""
     parting_layer: str | None = None
     """The first point whose relative RMS difference exceeds 1e-4 (None: the two agree throughout)."""
+    lora: dict[str, dict[str, float]] = field(default_factory=dict)
+    """With `policy.lora` (audit/lora.py): rows `adapter` (the engine's unmerged adapter) and `merged` (the
+    merged-weights control), each `max_abs_logprob_diff`, `mean_abs_logprob_diff`, `kl`, `k3_kl`,
+    `mean_abs_adapter_effect`, `num_tokens`; on the first report only."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -135,6 +142,8 @@ class AuditReport:
         out.update({f"audit_r3/{k}": v for k, v in self.routing.items()})
         out.update({f"audit_vocab/{k}": float(v) for k, v in self.vocab.items()})
         out.update({f"audit_first_token/{k}": v for k, v in self.first_token.items()})
+        for row, values in self.lora.items():
+            out.update({f"audit_lora/{row}/{k}": v for k, v in values.items()})
         for layer in self.layers:
             out[f"audit_layers/{layer['name']}/max_abs_diff"] = layer["max_abs_diff"]
             out[f"audit_layers/{layer['name']}/rel_rms_diff"] = layer["rel_rms_diff"]
@@ -323,6 +332,7 @@ def format_report(report: AuditReport) -> str:
                   f"  {'with replay':<16} {r['max_abs_logprob_diff']:>11.3e} {r['mean_abs_logprob_diff']:>11.3e} "
                   f"{r['k3_kl']:>11.3e}"]
     lines += _probe_lines(report)
+    lines += format_lora_rows(report.lora, report.rollout_dtype)
     lines += ["", f"{'preset':<28} {'truncated':>10} {'rejected':>10} {'veto':>8} {'kept':>8} {'seq drop':>9}"]
     for name, v in report.presets.items():
         lines.append(
@@ -468,9 +478,9 @@ def run_audit(
         engine_dists = None
         if runtime.is_main:
             log(f"[nrc audit] starting vLLM ({engine_dtype}) on {hf_dir}")
-            # policy.lora: a fresh adapter is zero (B = 0), so the audit measures the base model on a plain engine
-            # (vLLM 0.32's prompt logprobs, which the probes read, fail on a LoRA engine on CPU); the unmerged
-            # adapter's own mismatch: benchmarks/bench_lora_mismatch.py (docs/audit.md, LoRA)
+            # policy.lora: a fresh adapter is zero (B = 0), so these engines measure the base model on a plain
+            # engine (vLLM 0.32's prompt logprobs, which the probes read, fail on a LoRA engine on CPU); the
+            # unmerged adapter's own mismatch against the merged control: `audit.lora` below (audit/lora.py)
             dtype_of_engine, quantization = parse_engine_label(engine_dtype)
             options = dataclasses.replace(engine_options(cfg, str(hf_dir), dtype_of_engine), lora_rank=0,
                                           quantization=quantization)
@@ -515,6 +525,12 @@ def run_audit(
             if single:
                 run_probes(report, policy, batch, engine_dists, hf_dir, cfg, pad_token_id=pad)
             reports.append(report)
+    if cfg.policy.lora.enabled and cfg.audit.lora_compare and reports:
+        if single:
+            reports[0].lora = lora_comparison(cfg, str(hf_dir), prompts, pad_token_id=pad, log=log)
+        else:
+            reports[0].notes.append(f"LoRA adapter comparison skipped: it needs a one-process audit (this one has "
+                                    f"{runtime.world_size} ranks)")
     return reports
 
 

@@ -533,9 +533,16 @@ class AuditConfig:
                           "whole vocabulary (exact), k > 0 the top k + a rest bucket (lower bounds), 0 off.")
     layer_sequences: int = _f(4, "Sequences run through the trainer and a transformers forward for the per-layer "
                               "hidden-state differences; 0: off.")
+    # ---- LoRA (issue 39; audit/lora.py) ----
+    lora_compare: bool = _f(True, "With policy.lora.rank > 0 (one-process audits): also compare the engine serving "
+                            "the unmerged adapter with a merged-weights engine (two more engine starts).")
+    lora_b_std: float = _f(0.02, "Std of the seeded noise the LoRA comparison puts in B (a fresh adapter is zero, "
+                           "the base model).")
 
     def __post_init__(self) -> None:
         _at_least("audit.num_prompts", self.num_prompts, 1)
+        if not (math.isfinite(self.lora_b_std) and self.lora_b_std >= 0):
+            _fail("audit.lora_b_std", self.lora_b_std, "a finite number >= 0")
         _at_least("audit.worst_sequences", self.worst_sequences, 0)
         _at_least("audit.vocab_top_k", self.vocab_top_k, -1)
         _at_least("audit.layer_sequences", self.layer_sequences, 0)

@@ -58,6 +58,7 @@ from torch import nn
 
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
 from nemo_rollout_correction.distributed.runtime import barrier
+from nemo_rollout_correction.models.lora import has_lora, is_adapter_param
 from nemo_rollout_correction.trainer.checkpoint_door import (
     DIST_DIR,
     META_FILE,
@@ -152,19 +153,48 @@ def _chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
 def _model_sharded_state(chunks: list[nn.Module]) -> dict[str, Any]:
     """The model part: one chunk's `sharded_state_dict()`, or one per virtual-pipeline chunk (the tensor
     names inside are global, so the nesting does not tie the checkpoint to a layout)."""
-    stages: list[Any] = list(chunks)  # Megatron modules (`sharded_state_dict` is not on nn.Module)
-    if len(stages) == 1:
-        state: dict[str, Any] = stages[0].sharded_state_dict()
+    if len(chunks) == 1:
+        return _stage_sharded_state(chunks[0])
+    return {f"chunk{i}": _stage_sharded_state(stage) for i, stage in enumerate(chunks)}
+
+
+def _stage_sharded_state(stage: nn.Module) -> dict[str, Any]:
+    """One stage's `sharded_state_dict()`; with LoRA adapters attached, the adapters' entries alone.
+
+    A LoRA run's base weights are frozen and never differ from `model.source`, which the saved config names and
+    `trainer.resume_check` requires unchanged: the trainer and `nrc export` rebuild the policy from it before a
+    load. So the checkpoint holds the adapters (and, the optimizer's state being keyed by these entries, their
+    fp32 main weights and Adam moments) and not a copy of the base model. Flat keys: `<module path>.lora.a|b`.
+    """
+    state: dict[str, Any] = stage.sharded_state_dict()  # type: ignore[operator]  # a Megatron module
+    if not has_lora(stage):
         return state
-    return {f"chunk{i}": stage.sharded_state_dict() for i, stage in enumerate(stages)}
+    return {key: value for key, value in state.items() if is_adapter_param(key)}
 
 
 def _load_model_state(chunks: list[nn.Module], loaded: dict[str, Any]) -> None:
     if len(chunks) == 1:
-        chunks[0].load_state_dict(loaded)
+        _load_stage_state(chunks[0], loaded)
         return
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded[f"chunk{i}"])
+        _load_stage_state(chunk, loaded[f"chunk{i}"])
+
+
+def _load_stage_state(stage: nn.Module, state: dict[str, Any]) -> None:
+    """`stage.load_state_dict(state)`; for a LoRA stage the adapters only (`_stage_sharded_state`): every adapter
+    must be in `state` (ValueError naming the missing ones), the base weights stay as loaded from `model.source`."""
+    if not has_lora(stage):
+        stage.load_state_dict(state)
+        return
+    inner = stage
+    while isinstance(getattr(inner, "module", None), nn.Module):  # DDP / Float16Module wrappers return nothing
+        inner = inner.module  # type: ignore[assignment]
+    result = inner.load_state_dict(state, strict=False)
+    missing = [key for key in result.missing_keys if is_adapter_param(key)]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"LoRA checkpoint does not match the policy's adapters: missing {missing[:4]} "
+                         f"({len(missing)} in all), unexpected {list(result.unexpected_keys)[:4]}; the checkpoint "
+                         "and the run must have the same policy.lora.rank and policy.lora.target_modules")
 
 
 # Parameter names that only one of Megatron-Core's two layer specs has: Transformer Engine fuses the input

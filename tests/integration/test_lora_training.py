@@ -6,13 +6,15 @@
 - Only adapters are trainable and held by the optimizer; base weights never move.
 - TP=2 equals TP=1 and DP=2 equals DP=1 (regular and distributed optimizer) over 2 updates: losses, grad norms,
   the PEFT adapter tensors (gathered and converted to Hugging Face names) and the merged weights.
-- Checkpointed adapters reshard across TP (saved at TP=2, loaded at TP=1 and back) bit for bit, the SwiGLU
-  `linear_fc1`'s B included (found by this test: its per-rank [gate; up] rows need W's gate/up split).
+- Checkpoints hold the adapters only, and checkpointed adapters reshard across TP (saved at TP=2, loaded at TP=1
+  and back) bit for bit, the SwiGLU `linear_fc1`'s B included (found by this test: its per-rank [gate; up] rows
+  need W's gate/up split).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +26,9 @@ require("megatron.core", "megatron")
 import dist_harness
 import lora_worker
 
+from nemo_rollout_correction.models.lora import is_adapter_param
 from nemo_rollout_correction.models.sources import TINY_LLAMA_BUILTIN, tiny_llama_dir
+from nemo_rollout_correction.trainer.checkpoint_door import open_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
@@ -125,11 +129,14 @@ def test_dp2_equals_dp1(hf_dir: str, tp1: dict[str, Any], distributed_optimizer:
 
 @pytest.mark.parametrize(("save_tp", "load_tp"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_checkpointed_adapters_reshard_across_tp(hf_dir: str, tmp_path: Any, save_tp: int, load_tp: int) -> None:
-    """Each adapter's TP shard is declared along W's axis in the checkpoint: saved at one TP size and loaded at
-    another, the gathered adapters are the saved ones bit for bit (declared replicated, one rank's B shard of a
-    column-parallel linear would stand for every rank's)."""
+    """The checkpoint holds the adapters only (no base weight: they come from the model source), each TP shard
+    declared along W's axis: saved at one TP size and loaded at another, the gathered adapters are the saved ones
+    bit for bit (declared replicated, one rank's B shard of a column-parallel linear would stand for every
+    rank's)."""
     step_dir = str(tmp_path / "step_1")
     saved = dist_harness.launch(lora_worker.save_at_tp, save_tp, hf_dir, save_tp, step_dir, timeout=300.0)[0]
+    names = open_checkpoint(Path(step_dir)).tensor_names
+    assert names and all(is_adapter_param(name) for name in names), f"base weights saved: {names[:4]}"
     loaded = dist_harness.launch(lora_worker.load_at_tp, load_tp, hf_dir, load_tp, step_dir, timeout=300.0)
     assert any(float(t.abs().max()) > 0 for n, t in saved.items() if n.endswith("lora_B.weight"))
     for rank, result in enumerate(loaded):

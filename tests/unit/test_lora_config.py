@@ -96,3 +96,10 @@ def test_lora_on_a_quantized_engine_is_refused_naming_both_keys() -> None:
         load_config(["policy.lora.rank=8", "rollout.quantization=int8"])
     load_config(["policy.lora.rank=8"])  # each alone is fine
     load_config(["rollout.quantization=int8"])
+
+
+def test_audit_lora_b_std_must_be_a_finite_non_negative_number() -> None:
+    for bad in ("-0.1", "nan", "inf"):
+        with pytest.raises(ConfigError, match=r"audit\.lora_b_std=.* a finite number >= 0"):
+            load_config([f"audit.lora_b_std={bad}"])
+    assert load_config(["audit.lora_b_std=0"]).audit.lora_b_std == 0.0
