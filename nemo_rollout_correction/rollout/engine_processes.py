@@ -322,16 +322,22 @@ def _reap(processes: Sequence[Any]) -> None:
                                             [process.pid for process in alive], ENGINE_REAP_TIMEOUT_S)
 
 
+_TRACKED = {"/dev/shm/psm_": ("shared_memory", ""), "/dev/shm/sem.mp-": ("semaphore", "sem.")}
+"""The files of the resources `multiprocessing`'s resource tracker removes at exit, by path prefix: the tracker's
+resource type, and what the file name adds to the resource's name (glibc keeps semaphore `/x` as `sem.x`)."""
+
+
 def _shared_memory_of(processes: Sequence[Any]) -> set[str]:
-    """The POSIX shared-memory segments (`/dev/shm/psm_*`, Python's `SharedMemory`) that `processes` map and this
-    process does not: vLLM's message queues between the engine core and its workers."""
+    """The POSIX shared-memory files that `processes` map and this process does not: Python's `SharedMemory`
+    segments (`/dev/shm/psm_*`: vLLM's message queues between the engine core and its workers) and `multiprocessing`
+    semaphores (`/dev/shm/sem.mp-*`)."""
     def mapped(pid: int) -> set[str]:
         try:
             with open(f"/proc/{pid}/maps") as maps:  # address perms offset device inode path
                 paths = {fields[5].strip() for fields in (line.split(maxsplit=5) for line in maps) if len(fields) == 6}
         except OSError:  # already gone
             return set()
-        return {path for path in paths if path.startswith("/dev/shm/psm_")}
+        return {path for path in paths if path.startswith(tuple(_TRACKED))}
 
     segments: set[str] = set()
     for process in processes:
@@ -349,8 +355,10 @@ def _unlink_leftover(segments: set[str]) -> None:
             os.unlink(path)
         except FileNotFoundError:  # its creator removed it
             continue
+        prefix = next(prefix for prefix in _TRACKED if path.startswith(prefix))
+        kind, strip = _TRACKED[prefix]
         with contextlib.suppress(Exception):  # not registered (created by another tracker): nothing to tell
-            resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
+            resource_tracker.unregister("/" + os.path.basename(path)[len(strip):], kind)
 
 
 # ---- watch ------------------------------------------------------------------------------------------------
