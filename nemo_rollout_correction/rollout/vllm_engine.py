@@ -226,7 +226,7 @@ class VllmRolloutEngine:
         self.refit_path.release()
         llm = getattr(self, "llm", None)
         if llm is not None:
-            stop_llm(llm, self.options, self._owns_world)
+            stop_llm(llm, self.options, self._owns_world, self.engine_processes)
             del self.llm
         if getattr(self, "quantized_dir", None) is not None:
             shutil.rmtree(str(self.quantized_dir), ignore_errors=True)
