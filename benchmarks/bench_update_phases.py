@@ -65,7 +65,8 @@ from typing import Any
 PATHS = ("megatron", "megatron-plain", "hand-written")
 COMPARISONS = {"paths": PATHS, "attention": ("sdpa", "unfused"), "lm-head": ("cut", "full"),
                "packing": ("packed-budget", "packed", "padded")}
-PACKING = {"packed-budget": {"sequence_packing": True}, "packed": {"sequence_packing": True}, "padded": {}}
+PACKING = {"packed-budget": {"sequence_packing": True}, "packed": {"sequence_packing": True},
+           "padded": {"sequence_packing": False}}
 
 
 def _uneven_batch(kind: str, samples: int, seed: int) -> tuple[dict[str, Any], Any]:

@@ -184,9 +184,12 @@ class PolicyConfig(PolicyOptimizerConfig):
     context_parallel_size: int = _f(1, "Megatron context-parallel size (CP).")
     micro_batch_size: int = _f(8, "Sequences per microbatch on one data-parallel rank.")
     # ---- packed sequences and token budgets (issue 38) ----
-    sequence_packing: bool = _f(False, "Concatenate a microbatch's rows without padding (Megatron's THD layout, "
-                                "positions restart per row, attention never crosses a row) instead of padding "
-                                "them to the longest row (docs/training.md, \"Sequence packing\").")
+    sequence_packing: bool | None = _f(None, "Concatenate a microbatch's rows without padding (Megatron's THD "
+                                       "layout, positions restart per row, attention never crosses a row) instead "
+                                       "of padding them to the longest row (docs/training.md, \"Sequence packing\")"
+                                       ". null: on, except with policy.context_parallel_size > 1 or "
+                                       "rollout.routing_replay != none (padded there, noted in the log); true: on "
+                                       "(refused with those); false: padded.")
     max_tokens_per_microbatch: int = _f(0, "Fill microbatches by tokens instead of rows: at most this many tokens "
                                         "(packed: the rows' lengths; padded: rows x longest row) per microbatch, "
                                         "rows sorted by length; 0 = off (policy.micro_batch_size rows each).")
@@ -200,11 +203,12 @@ class PolicyConfig(PolicyOptimizerConfig):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "micro_batch_size"):
             _at_least(f"policy.{name}", getattr(self, name), 1)
         _at_least("policy.max_tokens_per_microbatch", self.max_tokens_per_microbatch, 0)
-        if self.sequence_packing and self.context_parallel_size > 1:
+        if self.sequence_packing is True and self.context_parallel_size > 1:
             _fail("policy.sequence_packing", self.sequence_packing,
                   f"not with policy.context_parallel_size={self.context_parallel_size}: context parallelism shards "
                   "each padded row in 2 x CP chunks (distributed/context_parallel.py); packed rows would need "
-                  "per-sequence THD sharding, which is not implemented; set one of them off")
+                  "per-sequence THD sharding, which is not implemented; set policy.sequence_packing=null (padded "
+                  "with CP) or false, or policy.context_parallel_size=1")
 
     @property
     def model_parallel_size(self) -> int:
@@ -588,15 +592,37 @@ class TrainConfig:
                   f"({self.rollout.max_new_tokens})")
         if self.rollout.partial_max_tokens_per_step:
             _check_partial_rollouts(self)
-        if self.policy.sequence_packing and self.rollout.routing_replay != "none":
+        if self.policy.sequence_packing is True and self.rollout.routing_replay != "none":
             raise ConfigError(f"policy.sequence_packing=true with rollout.routing_replay={self.rollout.routing_replay}"
                               ": the replayed routing is attached per padded row and token "
-                              "(harness/routing_replay.py), not yet in the packed layout; set one of them off")
+                              "(harness/routing_replay.py), not yet in the packed layout; set "
+                              "policy.sequence_packing=null (padded with routing replay) or false, or "
+                              "rollout.routing_replay=none")
         if self.policy.lora.rank > 0 and self.rollout.quantization != "none":
             raise ConfigError(f"policy.lora.rank={self.policy.lora.rank} with rollout.quantization="
                               f"{self.rollout.quantization}: an adapter on a quantized engine is not built or tested "
                               "(the LoRA refit pushes the adapter, the int8 refit re-quantizes full weights); set "
                               "rollout.quantization=none or policy.lora.rank=0")
+
+    # ---- resolved defaults -------------------------------------------------------------------
+
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether the update packs its microbatches' rows (`policy.sequence_packing` resolved: null is on
+        unless context parallelism or routing replay is set, which pack nothing yet)."""
+        if self.policy.sequence_packing is not None:
+            return self.policy.sequence_packing
+        return self.packing_unsupported_by() is None
+
+    def packing_unsupported_by(self) -> str | None:
+        """The setting that keeps packing off under `policy.sequence_packing=null` (for the run's log), else None."""
+        if self.policy.context_parallel_size > 1:
+            return (f"policy.context_parallel_size={self.policy.context_parallel_size} (context parallelism shards "
+                    "padded rows; packed rows under CP are not implemented)")
+        if self.rollout.routing_replay != "none":
+            return (f"rollout.routing_replay={self.rollout.routing_replay} (the replayed routing is attached per "
+                    "padded row)")
+        return None
 
     # ---- rules that need the world size ------------------------------------------------------
 

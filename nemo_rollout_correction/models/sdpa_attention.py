@@ -98,7 +98,7 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
         if not self._fusable(attention_bias, None):
             raise ValueError("packed sequences (policy.sequence_packing) on the local layer spec need plain causal "
                              "attention: no attention dropout while training, sliding window, softmax offset, "
-                             "query-key layer scaling or attention bias")
+                             "query-key layer scaling or attention bias; set policy.sequence_packing=false")
         cu_q, cu_k = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
         if not torch.equal(cu_q, cu_k):
             raise ValueError("packed attention needs the same row boundaries for queries and keys")

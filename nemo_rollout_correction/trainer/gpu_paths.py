@@ -59,7 +59,7 @@ def unverified_paths(cfg: TrainConfig, *, data_parallel_size: int, cuda: bool) -
                      f"weight-transfer refit{chosen}")
     if cfg.rollout.routing_replay == "r3":
         paths.append("routing replay from vLLM's enable_return_routed_experts")
-    if cfg.policy.sequence_packing:
+    if cfg.packs_sequences:
         paths.append("packed sequences (policy.sequence_packing) on Transformer Engine's THD attention")
     return paths
 

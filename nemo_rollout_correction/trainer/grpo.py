@@ -121,6 +121,8 @@ class GrpoTrainer:
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         cfg.check_world_size(runtime.world_size, source=f"torch.distributed world size {runtime.world_size}")
         check_gpu_paths(cfg, data_parallel_size=runtime.data_parallel_size, cuda=torch.cuda.is_available())
+        if cfg.policy.sequence_packing is None and (unsupported := cfg.packing_unsupported_by()) is not None:
+            self.log(f"[nrc train] policy.sequence_packing=null: padded microbatches with {unsupported}")
 
         # The task (prompts + reward) is built on every rank: the sampler must advance identically.
         self.task = task_from_config(cfg, num_eval_prompts=evaluation.eval_prompt_count(cfg))

@@ -293,7 +293,7 @@ class PolicyUpdate:
         for idx in microbatch_rows(samples, all_lengths, dp_size=self.groups.dp_size, dp_rank=self.groups.dp_rank,
                                    micro_batch_size=policy_cfg.micro_batch_size,
                                    max_tokens=policy_cfg.max_tokens_per_microbatch,
-                                   packed=policy_cfg.sequence_packing):
+                                   packed=self.cfg.packs_sequences):
             lengths = all_lengths[idx]
             width = int(lengths.max())
             input_ids = tensors["input_ids"][idx, :width]
@@ -311,7 +311,7 @@ class PolicyUpdate:
             # no CP (positions in order): the output layer and the log-softmax skip the prompt positions no loss reads
             logit_start = first_loss_position(loss_mask) if labels is None and self.policy.cuts_logits else 0
             packed = None
-            if policy_cfg.sequence_packing:  # CP refuses packing (config/schema.py): the rows are whole here
+            if self.cfg.packs_sequences:  # never with CP (config/schema.py): the rows are whole here
                 packed = PackedRows.of(input_ids, lengths, row_loss_starts(loss_mask))
                 logit_start = 0
             mb = Microbatch(

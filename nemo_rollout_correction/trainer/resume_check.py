@@ -4,10 +4,10 @@ A checkpoint's `meta.json` holds the (redacted) config of the run that wrote it.
 the current config key by key (dotted names): every difference outside `CHANGEABLE` is an incompatibility
 (another model, task, objective, sampling or optimizer setting would silently train something else from
 the restored state), and all of them are reported in ONE error. A different layout (TP/PP/CP sizes, the
-number of processes, micro-batch size, engine placement) is allowed: the checkpoint is layout-free
-(`trainer.checkpoint`); the trainer logs the change. So is a longer or shorter `run.num_steps` (the LR
-schedule then follows the new length from the saved position), and anything about tracking, checkpointing,
-launching, evaluation or export.
+number of processes, micro-batch size, sequence packing and token budgets, engine placement) is allowed: the
+checkpoint is layout-free (`trainer.checkpoint`); the trainer logs the change. So is a longer or shorter
+`run.num_steps` (the LR schedule then follows the new length from the saved position), and anything about
+tracking, checkpointing, launching, evaluation or export.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ CHANGEABLE: tuple[str, ...] = (
     "policy.pipeline_parallel_size",
     "policy.context_parallel_size",
     "policy.micro_batch_size",
+    "policy.sequence_packing",  # how the update groups rows, like the two above: the same loss up to rounding
+    "policy.max_tokens_per_microbatch",
     "rollout.placement",
     "rollout.max_staleness",  # in-flight batches beyond the new bound go by rollout.stale_policy
     "rollout.stale_policy",

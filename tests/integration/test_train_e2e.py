@@ -275,7 +275,12 @@ def test_torchrun_pipeline_and_context_parallel_match_one_process(
     key = "-".join([preset, *(e.split("=")[-1] for e in extra)])
     one = _one_process_two_steps(args, key, tmp_path_factory.getbasetemp())
     one_dir = tmp_path_factory.getbasetemp() / f"one-{key}"
-    _ok(nrc([*args, f"run.output_dir={tmp_path / layout}", f"parallelism={layout}"], tmp_path, launcher=torchrun))
+    proc = nrc([*args, f"run.output_dir={tmp_path / layout}", f"parallelism={layout}"], tmp_path, launcher=torchrun)
+    _ok(proc)
+    # CP packs nothing yet: the default (policy.sequence_packing=null) pads there, and says so once; the one-process
+    # run packs (docs/training.md, "Sequence packing"), so this also compares packed with padded CP
+    notice = "policy.sequence_packing=null: padded microbatches with policy.context_parallel_size=2"
+    assert proc.stderr.count(notice) == (layout == "cp2"), proc.stderr[-4000:]
     parallel = read_metrics(tmp_path / layout)
     assert len(one) == len(parallel) == 2
     for a, b in zip(one, parallel, strict=True):

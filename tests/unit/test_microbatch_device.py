@@ -27,8 +27,8 @@ def test_microbatch_tensors_follow_the_policy_device() -> None:
     meta = torch.device("meta")
     trainer = SimpleNamespace(
         groups=SimpleNamespace(dp_size=1, dp_rank=0, cp_size=1, cp_rank=0),
-        cfg=SimpleNamespace(policy=SimpleNamespace(micro_batch_size=4, max_tokens_per_microbatch=0,
-                                                   sequence_packing=False)),
+        cfg=SimpleNamespace(policy=SimpleNamespace(micro_batch_size=4, max_tokens_per_microbatch=0),
+                            packs_sequences=False),
         policy=SimpleNamespace(device=meta, routing=None, cuts_logits=True),
         pad_id=0,
     )

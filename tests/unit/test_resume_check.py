@@ -23,8 +23,11 @@ def test_layout_length_and_bookkeeping_may_change() -> None:
                  "checkpoint.keep_last=1")
     now = _cfg("policy.pipeline_parallel_size=2", "launcher.nproc_per_node=4", "policy.micro_batch_size=4",
                "run.num_steps=8", "tracking.enabled=false", "checkpoint.every_n_steps=1", "run.log_every=3",
-               "checkpoint.save_optimizer=false", "checkpoint.async_save=true", "rollout.placement=rank0")
+               "checkpoint.save_optimizer=false", "checkpoint.async_save=true", "rollout.placement=rank0",
+               "policy.max_tokens_per_microbatch=256")
     assert incompatible_keys(saved, now) == {}
+    # a checkpoint of the padded path (policy.sequence_packing=false, the default before packing was) resumes packed
+    assert incompatible_keys(_cfg("policy.sequence_packing=false"), _cfg()) == {}
 
 
 def test_model_task_and_objective_changes_are_named_in_one_message() -> None:
