@@ -85,7 +85,7 @@ def start_llm(options: EngineOptions) -> StartedLLM:
     # in process, vLLM creates a one-process world unless the trainer has one: stop_llm removes it again
     owns_world = options.in_process and initialized_world_size() == 0
     try:
-        with _in_process(options):
+        with _in_process(options), _threads_bind(options):
             llm = LLM(**kwargs)
     except Exception as exc:
         raise RolloutEngineError(f"vLLM engine failed to start for {options.model_dir} "
@@ -141,6 +141,43 @@ def _configure_cpu_env(options: EngineOptions) -> None:
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.cpu_kvcache_space_gib))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+@contextlib.contextmanager
+def _threads_bind(options: EngineOptions) -> Iterator[None]:
+    """`VLLM_CPU_OMP_THREADS_BIND` = `cpu_threads_bind(...)` while a vllm-cpu engine of TP > 1 starts (its
+    workers are spawned then and keep it), unless the user set it; put back afterwards, so that a later TP=1
+    engine of the same process is not handed a binding for two workers."""
+    bind = None
+    if options.tensor_parallel_size > 1 and not torch.cuda.is_available() \
+            and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        bind = cpu_threads_bind(options.tensor_parallel_size)
+    if bind is None:
+        yield
+        return
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+def cpu_threads_bind(tensor_parallel_size: int) -> str | None:
+    """`VLLM_CPU_OMP_THREADS_BIND` for a vllm-cpu engine of `tensor_parallel_size` workers on a machine with fewer
+    NUMA nodes than workers, else None (vLLM's "auto" binds one NUMA node per worker and refuses to start a
+    TP > 1 engine on one node: "Not enough allowed NUMA nodes"). The allowed CPUs split into contiguous groups,
+    one per worker ("0|1" for TP=2 on two cores); with fewer CPUs than workers, "nobind"."""
+    import glob
+
+    nodes = len(glob.glob("/sys/devices/system/node/node[0-9]*")) or 1
+    if nodes >= tensor_parallel_size:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tensor_parallel_size:
+        return "nobind"
+    per = len(cpus) // tensor_parallel_size
+    groups = [cpus[i * per:(i + 1) * per] for i in range(tensor_parallel_size)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)
 
 
 
@@ -534,5 +571,5 @@ def _in_calling_thread(what: str, call: Callable[[], T], *, name: str, timeout_s
             "generation is just slow)") from None
 
 
-__all__ = ["StartedLLM", "batch_invariant_unsupported_reason", "llm_kwargs", "prepare_environment", "start_llm",
-           "stop_llm", "watched"]
+__all__ = ["StartedLLM", "batch_invariant_unsupported_reason", "cpu_threads_bind", "llm_kwargs",
+           "prepare_environment", "start_llm", "stop_llm", "watched"]

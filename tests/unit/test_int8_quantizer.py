@@ -106,3 +106,43 @@ def test_moe_models_are_refused_naming_the_key(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"num_experts": 4}))
     with pytest.raises(ValueError, match=r"rollout\.quantization=int8 supports dense models"):
         write_int8_checkpoint(tmp_path, tmp_path / "out")
+
+
+def test_quantizer_equals_round_of_w_over_the_row_scale() -> None:
+    """The in-place quantizer (one float32 temporary) gives round(w / scale) clamped, bit for bit."""
+    weight = torch.randn(96, 80, generator=torch.Generator().manual_seed(5)) * 0.02
+    codes, scale = quantize_per_channel(weight)
+    assert torch.equal(scale, weight.abs().amax(dim=1, keepdim=True) / 127)
+    assert torch.equal(codes, torch.round(weight / scale).clamp(-127, 127).to(torch.int8))
+
+
+def test_probe_channels_cover_every_packed_part() -> None:
+    """The int8 verification's sampled output channels (rollout/int8_load.py): each part of a fused layer (q, k, v
+    of a TP shard) gets its first and last channel and at most 16, all inside the layer."""
+    from nemo_rollout_correction.rollout.int8_load import probe_channels
+
+    sizes = [288, 96, 96]
+    channels = probe_channels(sizes).tolist()
+    starts = [0, 288, 384]
+    for start, size in zip(starts, sizes, strict=True):
+        mine = [c for c in channels if start <= c < start + size]
+        assert mine[0] == start and mine[-1] == start + size - 1 and 2 <= len(mine) <= 16
+    assert len(channels) == len(set(channels)) and max(channels) < sum(sizes)
+    assert probe_channels([3]).tolist() == [0, 1, 2]
+
+
+def test_tp_engines_on_one_numa_node_get_a_cpu_group_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's automatic thread binding needs a NUMA node per CPU worker; on one node a TP=2 engine gets one group
+    of the allowed CPUs per worker instead (rollout/engine_processes.py)."""
+    import glob
+    import os
+
+    from nemo_rollout_correction.rollout.engine_processes import cpu_threads_bind
+
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/sys/devices/system/node/node0"])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cpu_threads_bind(2) == "0,1|2,3"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert cpu_threads_bind(2) == "nobind"
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["node0", "node1"])
+    assert cpu_threads_bind(2) is None  # vLLM's "auto" binds a node per worker
