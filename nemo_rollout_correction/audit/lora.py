@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from nemo_rollout_correction.audit.data import AuditData, generate, logprob_diff, rescore
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.core.config import RolloutCorrectionConfig
 from nemo_rollout_correction.core.correction import compute_rollout_correction
@@ -58,8 +59,6 @@ def lora_comparison(cfg: TrainConfig, hf_dir: str, prompts: Sequence[Sequence[in
     """`{"adapter": row, "merged": row}`, each row `max_abs_logprob_diff`, `mean_abs_logprob_diff`, `kl`,
     `k3_kl`, `mean_abs_adapter_effect`, `num_tokens` (module docstring). One process (world size 1): the caller
     checks."""
-    from nemo_rollout_correction.audit.mismatch import AuditData, generate, logprob_diff, rescore
-
     policy = MegatronPolicy.from_hf(hf_dir, params_dtype=cfg.model.dtype, seed=cfg.run.seed, lora=cfg.policy.lora)
     seed_adapter_b(policy, cfg.audit.lora_b_std, cfg.run.seed)
     options = engine_options(cfg, hf_dir, cfg.rollout.dtype)

