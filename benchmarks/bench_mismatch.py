@@ -236,8 +236,9 @@ def summarize(results: dict[Cell, list[dict[str, Any]]], window: int, eval_windo
     largest step's, which shows a divergence), kept fraction; with evaluations, the held-out reward and its
     paired (same seed) difference to the `disabled` cell of the same dtype and staleness."""
     rows = []
-    keys = sorted({(c.dtype, c.staleness, c.correction) for c in results},
-                  key=lambda k: (list(PRECISIONS).index(k[0]), -1 if k[1] is None else k[1], k[2]))
+    keys = sorted({(c.dtype, c.staleness, c.correction) for c in results},  # the uncorrected reference first
+                  key=lambda k: (list(PRECISIONS).index(k[0]), -1 if k[1] is None else k[1], k[2] != "disabled",
+                                 k[2]))
     for dtype, staleness, correction in keys:
         cells = {cell.seed: steps for cell, steps in results.items()
                  if (cell.dtype, cell.staleness, cell.correction) == (dtype, staleness, correction)}
