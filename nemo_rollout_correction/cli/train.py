@@ -21,12 +21,16 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nemo_rollout_correction.cli.preflight import add_config_dir_argument, check_media_packages
 from nemo_rollout_correction.config import ConfigError, load_config, to_dict
 from nemo_rollout_correction.config.redaction import secret_values
 from nemo_rollout_correction.config.schema import TrainConfig
 from nemo_rollout_correction.trainer.console import Console, RunSummary, set_current
+
+if TYPE_CHECKING:
+    from nemo_rollout_correction.tracking import MlflowTracker
 
 EXIT_CONFIG = 2
 EXIT_TRACKING = 3
@@ -130,11 +134,9 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
     tracker = None
     if runtime.is_main and cfg.tracking.enabled:
         from nemo_rollout_correction.cli.observer import MlflowObserver
-        from nemo_rollout_correction.tracking import MlflowTracker, TrackingUnavailableError
+        from nemo_rollout_correction.tracking import TrackingUnavailableError
 
-        tracker = MlflowTracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.run.name, cfg.run.output_dir,
-                                rank=runtime.rank, resume_run_id=_resume_run_id(cfg),
-                                system_metrics=cfg.tracking.system_metrics)
+        tracker = _tracker(cfg, runtime.rank, system_metrics=cfg.tracking.system_metrics)
         try:
             tracker.start()
         except TrackingUnavailableError as exc:
@@ -191,6 +193,14 @@ def _run(cfg: TrainConfig, console: Console, log_path: Path) -> int:
     return code
 
 
+def _tracker(cfg: TrainConfig, rank: int, *, system_metrics: bool) -> MlflowTracker:
+    """The run's MLflow tracker (continuing the checkpoint's MLflow run when resuming)."""
+    from nemo_rollout_correction.tracking import MlflowTracker
+
+    return MlflowTracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.run.name, cfg.run.output_dir,
+                         rank=rank, resume_run_id=_resume_run_id(cfg), system_metrics=system_metrics)
+
+
 def _record_early_failure(cfg: TrainConfig, error: BaseException, line: str) -> None:
     """An MLflow run ended FAILED with `line` for a failure before the process group exists (rank 0 only, by
     `RANK`): the run's config and the reason are on record like any other failed run. A tracking store that
@@ -198,10 +208,9 @@ def _record_early_failure(cfg: TrainConfig, error: BaseException, line: str) -> 
     if int(os.environ.get("RANK", "0")) != 0 or not cfg.tracking.enabled:
         return
     from nemo_rollout_correction.cli.observer import record_error
-    from nemo_rollout_correction.tracking import MlflowTracker, TrackingUnavailableError
+    from nemo_rollout_correction.tracking import TrackingUnavailableError
 
-    tracker = MlflowTracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.run.name, cfg.run.output_dir,
-                            rank=0, resume_run_id=_resume_run_id(cfg), system_metrics=False)
+    tracker = _tracker(cfg, 0, system_metrics=False)
     try:
         tracker.start()
     except TrackingUnavailableError:
