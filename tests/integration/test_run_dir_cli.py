@@ -74,6 +74,10 @@ def test_a_second_train_on_a_running_directory_refuses_naming_the_holder(tmp_pat
     taken.release()
 
 
+# default lane: covered by tests/integration/test_train_e2e.py::test_resume_continues_exactly (nrc train refuses a
+# finished directory without run.resume) and tests/unit/test_run_dir.py::test_resume_continues_and_overwrite_moves_the_
+# previous_run_aside (what run.overwrite=true moves)
+@pytest.mark.slow
 def test_a_finished_run_refuses_a_new_one_and_overwrite_moves_it_aside(tmp_path: Path) -> None:
     out = tmp_path / "run"
     common = [*FAST, "checkpoint.every_n_steps=1", "tracking.plot_every=0", f"run.output_dir={out}"]
