@@ -21,6 +21,9 @@ from nrc_cli import TINY_FAST, cli_env, read_metrics
 pytestmark = [pytest.mark.integration]
 
 
+# default lane: covered by tests/unit/test_tracking_store_lock.py::test_two_processes_open_one_new_store_at_once
+# (two processes opening one new store with real MLflow through the lock that nrc train takes)
+@pytest.mark.slow
 def test_two_runs_started_at_once_against_one_new_store_are_both_recorded(tmp_path: Path) -> None:
     store = tmp_path / "shared" / "mlflow.db"
     uri = f"sqlite:///{store}"
