@@ -55,9 +55,9 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> None:
 @pytest.fixture(scope="module")
 def four_steps(server: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Four steps of FAST (the default correction, token_tis) logged to the MLflow server, checkpoints at 2 and 4:
-    the MLflow test's run, the resume test's straight run and, by its first step, the one-process reference of the
-    TP/DP and loglinear tests (step 1 does not depend on run.num_steps, tracking, plots or checkpoints). One
-    `nrc train` instead of four."""
+    the MLflow test's run, the resume test's straight run, by its first two steps the reuse test's default run and,
+    by its first step, the one-process reference of the TP/DP and loglinear tests (steps 1 and 2 do not depend on
+    run.num_steps under the constant LR, nor on tracking, plots or checkpoints). One `nrc train` instead of five."""
     out = tmp_path_factory.mktemp("four") / "run"
     proc = nrc(
         [
