@@ -3,6 +3,8 @@
 - a second `nrc train` on the directory of a running one refuses at once, naming the holder's PID and host;
 - a finished run re-run without `run.resume` refuses naming its steps and checkpoints, before any MLflow run;
 - `run.overwrite=true` moves the previous run's files to `previous-<time>/` and starts a new run at step 1.
+The last two are one test of three runs, in the slow lane: the default lane refuses a finished directory in
+test_train_e2e's resume test and checks the move in tests/unit/test_run_dir.py.
 """
 
 from __future__ import annotations

