@@ -22,7 +22,6 @@ Imported by vLLM's workers: torch and vLLM only.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nemo_rollout_correction.rollout.shared_weights import TensorSlot, slot_view
+from nemo_rollout_correction.rollout.shared_weights import TensorSlot, slot_view, stacked_view
 
 
 @dataclass
@@ -144,17 +143,6 @@ def plan_direct_load(model: torch.nn.Module, slots: Sequence[TensorSlot], tp_siz
     return plan
 
 
-def _fused_view(buffer: Tensor, slots: Sequence[TensorSlot]) -> Tensor:
-    """The slots stacked along dim 0: a view of `buffer` when they lie back to back, else a new tensor."""
-    first = slots[0]
-    adjacent = all(prev.offset + prev.nbytes == nxt.offset for prev, nxt in itertools.pairwise(slots))
-    if adjacent:
-        rows = sum(s.shape[0] for s in slots)
-        nbytes = rows * first.shape[1] * first.torch_dtype.itemsize
-        return buffer[first.offset: first.offset + nbytes].view(first.torch_dtype).view(rows, first.shape[1])
-    return torch.cat([slot_view(buffer, s) for s in slots], dim=0)
-
-
 @torch.no_grad()
 def run_direct_load(plan: DirectPlan, buffer: Tensor) -> int:
     """Load the buffer's weights into the model along `plan`; returns the tensors loaded."""
@@ -165,7 +153,7 @@ def run_direct_load(plan: DirectPlan, buffer: Tensor) -> int:
         target.copy_(slot_view(buffer, slot))
         count += 1
     for module, weight_slots, bias_slots in plan.linears:
-        fused = _fused_view(buffer, weight_slots)
+        fused = stacked_view(buffer, weight_slots)
         if bias_slots:
             bias: Any = module.bias
             bias.data.copy_(torch.cat([slot_view(buffer, s) for s in bias_slots]))

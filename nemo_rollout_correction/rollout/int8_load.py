@@ -9,18 +9,26 @@ the reload restores the old scale tensors after re-processing (a dangling pointe
 
 What this does instead, per int8 linear layer (`plan_int8_load`, built once per buffer layout):
 
-1. fresh int8 weight and float32 scale parameters of the layer's shapes on this worker, filled by the layer's own
-   `weight_loader_v2` from the trainer's full tensors (vLLM's TP sharding and q/k/v, gate/up packing: exactly what
-   loading a checkpoint does);
-2. registered on the layer in place of the old ones, then the layer's own post-load step
-   (`scheme.process_weights_after_loading`: the oneDNN handler, or the sgl kernel's packing) run under the
-   model's dtype as default dtype, as at engine start. The new scale parameter stays registered on the layer, so
-   the handler's pointer stays valid until the next refit replaces handler and scale together.
+- at TP = 1 on vLLM's oneDNN kernel (no AMX; per-channel weights, dynamic symmetric activations: what
+  `rollout/int8.py` writes), the layer's codes are its parts' slots stacked, a view of the buffer (the trainer
+  lays q/k/v and gate/up codes out back to back), and `_build_onednn` does only what the kernel's post-load
+  step needs for this configuration: a new float32 scale parameter registered on the layer, then the oneDNN
+  handler built from the view (it packs its own copy). vLLM's full step would also copy the weight into a
+  transposed parameter and compute an `azp_adj` column sum that symmetric activations never read;
+- otherwise (TP > 1, the AMX sgl kernel) fresh int8 weight and float32 scale parameters of the layer's shapes on
+  this worker, filled by the layer's own `weight_loader_v2` from the trainer's full tensors (vLLM's TP sharding
+  and q/k/v, gate/up packing: exactly what loading a checkpoint does), registered on the layer in place of the
+  old ones, then the layer's own post-load step (`scheme.process_weights_after_loading`) run under the model's
+  dtype as default dtype, as at engine start.
+
+Either way the new scale parameter stays registered on the layer, so the handler's pointer stays valid until
+the next refit replaces handler and scale together.
 
 Every other tensor (embeddings, norms, the output layer) goes through its parameter's `weight_loader` (vocab
 sharding under TP), and embedding-backed GEMMs are re-packed by the caller. `check_int8_layers` is the
 verification: each int8 layer's live scale against the buffer's, and its kernel run on a fixed probe against an
-int8 reference computed from the buffer (catches NaN, stale and wrongly scaled layers, naming them).
+int8 reference computed from the buffer (catches NaN, stale and wrongly scaled layers, naming them); at TP = 1 it
+reads the expected codes and scales from the buffer's views, a shard's through the loaders.
 Imported by vLLM's workers: torch and vLLM only.
 """
 
@@ -34,13 +42,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nemo_rollout_correction.rollout.shared_weights import TensorSlot, slot_view
+from nemo_rollout_correction.rollout.shared_weights import TensorSlot, slot_view, stacked_view
 
 SCALE_BITS = torch.int32
 """The float32 scales travel through the buffer as their int32 bit patterns (the buffer stores floating tensors
 in the engine's dtype; a bfloat16 scale would not be the checkpoint's)."""
 PROBE_ROWS = 4
 PROBE_CHANNELS_PER_PART = 16
+ONEDNN_PRIMITIVE_CACHE = 32
+"""The oneDNN handler's primitive cache size, as vLLM's `process_weights_for_onednn` builds it."""
+ONEDNN_PARAM_NAMES = ("weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj")
+"""The layer attributes the kernel reads (its `layer_param_names`), which `_build_onednn` sets."""
 PROBE_TOLERANCE = 0.05
 """`check_int8_layers`: the kernel's output may differ from the reference by this fraction of the reference's
 largest magnitude (activation codes rounding differently by one step); a wrong scale, stale or NaN weights do not."""
@@ -54,6 +66,12 @@ class Int8Layer:
     module: Any
     parts: list[tuple[Any, TensorSlot, TensorSlot]]
     """(shard id or None, weight slot (int8), scale slot (int32 bits)) per packed part, in vLLM's fused order."""
+    whole: bool = False
+    """The layer holds its parts whole, stacked in fused order (TP = 1): its codes are the parts' slots stacked,
+    no loader needed (`_whole_tensors`)."""
+    onednn: bool = False
+    """Its kernel is vLLM's oneDNN one with per-channel weights and dynamic symmetric per-token activations: the
+    load builds the handler itself (`_build_onednn`), without vLLM's post-load step's extra work."""
 
 
 @dataclass
@@ -83,9 +101,33 @@ def _shard_ids(module: Any, count: int) -> list[Any]:
     return [None] * count
 
 
-def plan_int8_load(model: torch.nn.Module, slots: list[TensorSlot], tied_output: bool) -> Int8Plan:
-    """Where every slot goes in `model`; ValueError naming what does not fit (a slot nobody takes, a layer
-    without its tensors)."""
+def _is_onednn_symmetric(module: Any) -> bool:
+    """Whether `module`'s int8 kernel is vLLM's CPU oneDNN kernel (`CPUInt8ScaledMMLinearKernel` on its oneDNN
+    method, not the AMX sgl one) with per-channel weight scales and dynamic symmetric per-token activations: the
+    only configuration `_build_onednn` reproduces."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+
+    kernel = getattr(module.scheme, "kernel", None)
+    if not isinstance(kernel, CPUInt8ScaledMMLinearKernel):
+        return False
+    config = kernel.config
+    method = getattr(getattr(kernel, "linear_method", None), "__func__", None)
+    return (bool(config.is_channelwise) and bool(config.input_symmetric) and not config.is_static_input_scheme
+            and method is CPUInt8ScaledMMLinearKernel._apply_weights_onednn
+            and list(kernel.layer_param_names) == list(ONEDNN_PARAM_NAMES))
+
+
+def _holds_parts_whole(module: Any, parts: list[tuple[Any, TensorSlot, TensorSlot]], tp_size: int) -> bool:
+    """Whether the layer's local weight is its parts' full tensors stacked (TP = 1 and the shapes agree)."""
+    sizes = [int(size) for size in module.output_partition_sizes]
+    return (tp_size == 1 and sizes == [weight.shape[0] for _, weight, _ in parts]
+            and all(weight.shape[1] == int(module.input_size_per_partition) and scale.shape == (weight.shape[0], 1)
+                    for _, weight, scale in parts))
+
+
+def plan_int8_load(model: torch.nn.Module, slots: list[TensorSlot], tied_output: bool, tp_size: int = 1) -> Int8Plan:
+    """Where every slot goes in `model` (one worker's, of a `tp_size` engine); ValueError naming what does not fit
+    (a slot nobody takes, a layer without its tensors)."""
     by_name = {slot.name: slot for slot in slots}
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     plan = Int8Plan()
@@ -101,7 +143,8 @@ def plan_int8_load(model: torch.nn.Module, slots: list[TensorSlot], tied_output:
         ids = _shard_ids(module, len(names))
         parts = [(sid, by_name[f"{n}.weight"], by_name[f"{n}.weight_scale"]) for sid, n in zip(ids, names, strict=True)]
         claimed.update(f"{n}.{what}" for n in names for what in ("weight", "weight_scale"))
-        plan.layers.append(Int8Layer(module_name, module, parts))
+        whole = _holds_parts_whole(module, parts, tp_size)
+        plan.layers.append(Int8Layer(module_name, module, parts, whole, whole and _is_onednn_symmetric(module)))
     params = dict(model.named_parameters())
     for name, slot in by_name.items():
         if name in claimed:
@@ -140,6 +183,35 @@ def _fresh_params(layer: Int8Layer, buffer: Tensor) -> tuple[Any, Any]:
     return weight, scale
 
 
+def _whole_tensors(layer: Int8Layer, buffer: Tensor) -> tuple[Tensor, Tensor]:
+    """A `whole` layer's int8 codes [out, in] (a view of the buffer when its parts lie back to back, which
+    `plan_slots` arranges) and a new float32 scale tensor [out, 1] (a copy: never an alias of the buffer, which
+    the next sync overwrites)."""
+    codes = stacked_view(buffer, [weight for _, weight, _ in layer.parts])
+    scales = torch.cat([slot_view(buffer, scale).view(torch.float32) for _, _, scale in layer.parts])
+    return codes, scales
+
+
+def _build_onednn(layer: Int8Layer, buffer: Tensor, model_dtype: torch.dtype) -> None:
+    """What `CPUInt8ScaledMMLinearKernel.process_weights_for_onednn` ends with, for per-channel weights and
+    dynamic symmetric activations, without the rest: the new scale registered on the layer, then the oneDNN
+    handler built from the codes (it packs a copy of them and keeps a raw pointer to the scale), the unpacked
+    weight dropped. vLLM's step also copies the weight into a fresh transposed parameter and computes the
+    `azp_adj` term (a float32 column sum of every weight), which only asymmetric activations use: with symmetric
+    ones the kernel's epilogue never reads it (`onednn_scaled_mm` without a zero point); it is dropped here."""
+    from vllm import _custom_ops as ops
+
+    module = layer.module
+    codes, scales = _whole_tensors(layer, buffer)
+    kernel = module.scheme.kernel
+    module.weight_scale = torch.nn.Parameter(scales, requires_grad=False)  # registered first: the handler's pointer
+    kernel.dnnl_handler = ops.create_onednn_scaled_mm(codes.t(), module.weight_scale, model_dtype, True, False,
+                                                      ONEDNN_PRIMITIVE_CACHE)
+    kernel.linear_method = kernel._apply_weights_onednn
+    module.weight = None  # as vLLM leaves it: the handler holds the packed copy
+    module.azp_adj = None
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """torch's default dtype set to `dtype` inside (the int8 kernel builds its handler in it)."""
@@ -163,13 +235,25 @@ def run_int8_load(plan: Int8Plan, buffer: Tensor, model_dtype: torch.dtype) -> i
         count += 1
     with default_dtype(model_dtype):
         for layer in plan.layers:
+            count += 2 * len(layer.parts)
+            if layer.onednn:
+                _build_onednn(layer, buffer, model_dtype)
+                continue
             weight, scale = _fresh_params(layer, buffer)
             module = layer.module
             module.weight = weight
             module.weight_scale = scale  # the handler built next points at this tensor: it stays registered here
             module.scheme.process_weights_after_loading(module)
-            count += 2 * len(layer.parts)
     return count
+
+
+def _expected(layer: Int8Layer, buffer: Tensor) -> tuple[Tensor, Tensor]:
+    """The int8 codes [out, in] and float32 scales [out, 1] `layer` should hold on this worker: a whole layer's
+    read from the buffer's views (no copy of its codes), a shard's through the layer's own loaders, as loaded."""
+    if layer.whole:
+        return _whole_tensors(layer, buffer)
+    weight, scale = _fresh_params(layer, buffer)
+    return weight.data, scale.data
 
 
 def _reference_output(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
@@ -210,21 +294,21 @@ def check_int8_layers(plan: Int8Plan, buffer: Tensor, model_dtype: torch.dtype) 
     bad: list[tuple[str, str]] = []
     for layer in plan.layers:
         module = layer.module
-        expected_weight, expected_scale = _fresh_params(layer, buffer)
+        expected_codes, expected_scale = _expected(layer, buffer)
         live_scale = module.weight_scale.data
-        if live_scale.shape != expected_scale.shape or not torch.equal(live_scale, expected_scale.data):
-            diff = (live_scale.float() - expected_scale.data).abs().max().item() \
+        if live_scale.shape != expected_scale.shape or not torch.equal(live_scale, expected_scale):
+            diff = (live_scale.float() - expected_scale).abs().max().item() \
                 if live_scale.shape == expected_scale.shape else float("nan")
             bad.append((layer.name, f"weight_scale differs from the trainer's (max |diff| {diff:.3g}): stale or "
                                     "wrongly scaled"))
             continue
-        x = torch.randn(PROBE_ROWS, expected_weight.shape[1], generator=generator).to(model_dtype)
+        x = torch.randn(PROBE_ROWS, expected_codes.shape[1], generator=generator).to(model_dtype)
         got = module.scheme.apply_weights(module, x, None)
         if not torch.isfinite(got).all():
             bad.append((layer.name, "the kernel's output on a probe is not finite (NaN/inf int8 weights or scales)"))
             continue
         channels = probe_channels([int(size) for size in module.output_partition_sizes])
-        want = _reference_output(x, expected_weight.data[channels], expected_scale.data[channels])
+        want = _reference_output(x, expected_codes[channels], expected_scale[channels])
         err = (got[:, channels].to(torch.float64) - want).abs().max().item()
         bound = PROBE_TOLERANCE * want.abs().max().item()
         if err > bound:

@@ -20,6 +20,7 @@ Imported by vLLM's worker processes: keep it free of the trainer (torch only).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -68,13 +69,19 @@ class TensorSlot:
 
 
 # Projections vLLM fuses into one GEMM (q/k/v -> qkv_proj, gate/up -> gate_up_proj), in its fused order: laid
-# out back to back, a fused weight is a view of the buffer (`direct_load._fused_view`), not a `torch.cat`.
+# out back to back, a fused weight is a view of the buffer (`stacked_view`), not a `torch.cat`.
 _FUSED_ORDER = {"q_proj": "0", "k_proj": "1", "v_proj": "2", "gate_proj": "0", "up_proj": "1"}
+_SCALES_LAST = "~scales"  # sorts after every module name: an int8 block's scales after all its weights
 
 
 def _layout_key(name: str) -> tuple[str, ...]:
     parts = name.split(".")
-    return tuple(_FUSED_ORDER.get(part, part) for part in parts)
+    key = tuple(_FUSED_ORDER.get(part, part) for part in parts)
+    if len(parts) >= 2 and parts[-1] == "weight_scale":
+        # int8 (`rollout/int8.py`): `q_proj.weight_scale` would sit between `q_proj.weight` and `k_proj.weight`;
+        # moved behind the block's weights, the int8 codes of q/k/v (gate/up) lie back to back as well
+        key = (*key[:-2], _SCALES_LAST, key[-2])
+    return key
 
 
 def plan_slots(tensors: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[list[TensorSlot], int]:
@@ -101,6 +108,18 @@ def map_file(path: str, nbytes: int) -> Tensor:
 def slot_view(buffer: Tensor, slot: TensorSlot) -> Tensor:
     """The tensor of `slot` inside `buffer` (a view: no copy)."""
     return buffer[slot.offset: slot.offset + slot.nbytes].view(slot.torch_dtype).view(slot.shape)
+
+
+def stacked_view(buffer: Tensor, slots: Sequence[TensorSlot]) -> Tensor:
+    """The 2-D slots stacked along dim 0 ([sum of rows, cols]): a view of `buffer` when they lie back to back,
+    else a new tensor (`torch.cat`)."""
+    first = slots[0]
+    adjacent = all(prev.offset + prev.nbytes == nxt.offset for prev, nxt in itertools.pairwise(slots))
+    if adjacent:
+        rows = sum(s.shape[0] for s in slots)
+        nbytes = rows * first.shape[1] * first.torch_dtype.itemsize
+        return buffer[first.offset: first.offset + nbytes].view(first.torch_dtype).view(rows, first.shape[1])
+    return torch.cat([slot_view(buffer, s) for s in slots], dim=0)
 
 
 def iter_views(buffer: Tensor, slots: Sequence[TensorSlot]) -> Iterator[tuple[str, Tensor]]:
@@ -176,4 +195,5 @@ def checksum(tensor: Tensor, rows: Sequence[int] | None = None) -> int:
     return int((bits * weights).sum())
 
 
-__all__ = ["SharedWeightsBuffer", "TensorSlot", "checksum", "iter_views", "map_file", "plan_slots", "slot_view"]
+__all__ = ["SharedWeightsBuffer", "TensorSlot", "checksum", "iter_views", "map_file", "plan_slots", "slot_view",
+           "stacked_view"]

@@ -227,14 +227,16 @@ class RefitExtension:
         if getattr(self, "_nrc_int8_plan", None) is None:
             model_config: Any = self.vllm_config.model_config  # type: ignore[attr-defined]
             tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+            tp_size = int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
             self._nrc_int8_plan = plan_int8_load(self.model_runner.model,  # type: ignore[attr-defined]
-                                                 [TensorSlot.from_wire(s) for s in slots], tied)
+                                                 [TensorSlot.from_wire(s) for s in slots], tied, tp_size)
         return self._nrc_int8_plan, mapped[1], self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
 
     def nrc_load_int8_from_shared(self, key: str, nbytes: int, slots: list[list[Any]]) -> dict[str, Any]:
         """Load the trainer's int8 weights, scales and other tensors from the shared buffer `key` into this worker's
         W8A8 int8 model in place (`rollout/int8_load.py`: not vLLM's reload, which leaves NaN logprobs). Returns
-        {"num_tensors", "seconds", "repacked", "path": "int8", "int8_layers", "why_not_direct": ""}."""
+        {"num_tensors", "seconds", "repacked", "path": "int8", "int8_layers", "int8_direct" (the layers whose
+        oneDNN handler the loader built itself, `int8_load._build_onednn`), "why_not_direct": ""}."""
         from nemo_rollout_correction.rollout.int8_load import run_int8_load
 
         start = time.perf_counter()
@@ -242,7 +244,8 @@ class RefitExtension:
         count = run_int8_load(plan, buffer, dtype)
         repacked = self._nrc_repack_embedding_gemms()
         return {"num_tensors": count, "seconds": time.perf_counter() - start, "repacked": repacked, "path": "int8",
-                "int8_layers": len(plan.layers), "why_not_direct": ""}
+                "int8_layers": len(plan.layers), "int8_direct": sum(layer.onednn for layer in plan.layers),
+                "why_not_direct": ""}
 
     def nrc_reload_int8_with_vllm(self, key: str, nbytes: int, slots: list[list[Any]]) -> dict[str, Any]:
         """The int8 buffer `key` fed to vLLM's `reload_weights` as shipped (scales as float32): the NaN trap

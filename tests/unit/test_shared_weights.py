@@ -15,6 +15,8 @@ from nemo_rollout_correction.rollout.shared_weights import (
     iter_views,
     map_file,
     plan_slots,
+    slot_view,
+    stacked_view,
 )
 
 
@@ -73,3 +75,30 @@ def test_an_unknown_tensor_name_is_refused(tmp_path: Path) -> None:
     buffer.unlink()
     with pytest.raises(KeyError):
         buffer.write({"not.a.weight": torch.zeros(1)})
+
+
+def test_int8_codes_of_a_fused_layer_lie_back_to_back_and_stack_as_a_view() -> None:
+    """The int8 refit (rollout/int8_load.py) hands vLLM's oneDNN handler the q/k/v (gate/up) codes as one view of
+    the buffer: each layer's scales are laid out behind the block's weights, not between them."""
+    gen = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {}
+    for proj, rows in (("q_proj", 8), ("k_proj", 4), ("v_proj", 4), ("o_proj", 8)):
+        name = f"model.layers.0.self_attn.{proj}.weight"
+        state[name] = torch.randint(-127, 128, (rows, 16), generator=gen, dtype=torch.int8)  # 64-byte multiples
+        state[name + "_scale"] = torch.rand(rows, 1, generator=gen).view(torch.int32)
+    state["model.layers.0.input_layernorm.weight"] = torch.randn(16, generator=gen)
+    slots, nbytes = plan_slots(state, torch.bfloat16)
+    names = [s.name for s in slots]
+    prefix = "model.layers.0.self_attn."
+    assert names[names.index(prefix + "q_proj.weight"):][:4] == [prefix + p + ".weight"
+                                                                for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    by_name = {s.name: s for s in slots}
+    for name, tensor in state.items():
+        slot_view(buffer, by_name[name]).copy_(tensor.to(by_name[name].torch_dtype))
+    qkv = [by_name[prefix + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")]
+    stacked = stacked_view(buffer, qkv)
+    assert stacked.data_ptr() == slot_view(buffer, qkv[0]).data_ptr()  # a view: no copy
+    assert torch.equal(stacked, torch.cat([state[s.name] for s in qkv]))
+    apart = [qkv[0], by_name[prefix + "o_proj.weight"]]  # not back to back: a new tensor, same values
+    assert torch.equal(stacked_view(buffer, apart), torch.cat([state[s.name] for s in apart]))
