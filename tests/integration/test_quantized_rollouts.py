@@ -191,7 +191,8 @@ def test_tp2_int8_refit_equals_tp1(engine: VllmRolloutEngine, engine_tp2: VllmRo
 
 def test_vllms_reload_is_the_nan_trap_and_verification_names_the_layer(engine: VllmRolloutEngine,
                                                                        tiny: Path) -> None:
-    """Last of the engine tests: vLLM's reload damages the engine beyond the int8 layers (below)."""
+    """Last of the engine tests: vLLM's reload damages the engine beyond the int8 layers (below); the verification
+    names the damaged layers whether or not the sampled logprobs came out NaN."""
     weights = _weights(tiny, 2)
     engine.refit(weights.items())
     good = _sample(engine)
@@ -201,8 +202,11 @@ def test_vllms_reload_is_the_nan_trap_and_verification_names_the_layer(engine: V
     # vLLM's layer-wise reload as shipped, of the same int8 tensors: it returns without error...
     engine.llm.collective_rpc("nrc_reload_int8_with_vllm", args=(path._key, path._buffer.nbytes, path._wire))
     trapped = _sample(engine)
-    assert any(math.isnan(lp) for _, lps in trapped for lp in lps), "vLLM's reload no longer falls into the trap"
-    # ...and the int8 verification sees that the layers' kernels do not compute with the trainer's weights
+    # ...the kernels then read a scale tensor the reload freed: NaN logprobs when that memory was reused before the
+    # sampling (most runs here, not all: one CI run sampled finite ones), so the NaN is printed, not required...
+    print(f"NaN logprobs after vLLM's reload: {any(math.isnan(lp) for _, lps in trapped for lp in lps)}")
+    # ...and the int8 verification, which must not depend on that timing, sees that the layers' kernels do not
+    # compute with the trainer's weights
     with pytest.raises(RefitVerificationError) as caught:
         engine.verify_refit()
     assert "int8 engine" in str(caught.value) and "int8 layer 'model.layers." in str(caught.value)
