@@ -28,6 +28,7 @@ segments (`cu_seqlens`) are then the groups, and `groups` lists each group's pre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -180,7 +181,7 @@ def shared_prefix_groups(input_ids: Tensor, lengths: Tensor) -> list[tuple[int, 
     sizes = [int(n) for n in lengths.tolist()]
     seqs = [input_ids[r, : sizes[r]].tolist() for r in range(rows)]
     order = sorted(range(rows), key=lambda r: (seqs[r], r))
-    neighbours = [_common_prefix(seqs[a], seqs[b]) for a, b in zip(order, order[1:], strict=False)]
+    neighbours = [_common_prefix(seqs[a], seqs[b]) for a, b in pairwise(order)]
     best = [0] * (rows + 1)  # best[j]: the most tokens saved by grouping the sorted rows order[:j]
     first = list(range(-1, rows))  # first[j]: where the last group of that grouping starts (j - 1: alone)
     shared = [0] * (rows + 1)

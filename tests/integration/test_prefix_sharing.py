@@ -159,6 +159,7 @@ def test_shared_gradients_equal_plain_and_padded(policy: MegatronPolicy) -> None
     starts = row_loss_starts(mask)
     pad_lp, pad_grads = _grads(policy, ids, None, mask)
     plain_lp, plain_grads = _grads(policy, ids, PackedRows.of(ids, LENGTHS, starts), mask)
+    torch.testing.assert_close(plain_lp[mask], pad_lp[mask], rtol=1e-5, atol=1e-5)
     shared = PackedRows.of(ids, LENGTHS, starts, share_prefixes=True)
     shared_lp, shared_grads = _grads(policy, ids, shared, mask)
     torch.testing.assert_close(shared_lp[mask], pad_lp[mask], rtol=1e-5, atol=1e-5)
