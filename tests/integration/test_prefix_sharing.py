@@ -22,7 +22,7 @@ require("megatron.core", "megatron")
 from nemo_rollout_correction.models.packing import PackedRows, shared_prefix_groups
 from nemo_rollout_correction.models.policy import MegatronPolicy
 from nemo_rollout_correction.models.schedule import forward_microbatches, run_microbatches
-from nemo_rollout_correction.trainer.policy_update import row_loss_starts
+from nemo_rollout_correction.trainer.policy_update import row_loss_starts, shares_prefixes
 
 pytestmark = [pytest.mark.integration]
 
@@ -171,3 +171,26 @@ def test_shared_gradients_equal_plain_and_padded(policy: MegatronPolicy) -> None
     with_graph = policy.packed_logprobs(forward_microbatches(policy.model, [ids], packed=[shared])[0], shared)
     scored = policy.score_microbatches([ids], packed=[shared])
     assert scored is not None and torch.equal(with_graph.detach(), scored[0])
+
+
+def test_where_it_is_not_built(policy: MegatronPolicy) -> None:
+    """null resolves to off on a model that cannot run shared packs (the Transformer Engine spec); true is refused
+    there naming the key and the reason; false and unpacked runs never share."""
+    from nemo_rollout_correction.config.loader import from_dict
+    from nemo_rollout_correction.config.schema import ConfigError
+
+    te_like = dataclasses.replace(policy, prefix_sharing_unsupported="the core attention is TEDotProductAttention")
+    default, on, off = from_dict({}), from_dict({"policy": {"prefix_sharing": True}}), \
+        from_dict({"policy": {"prefix_sharing": False}})
+    assert shares_prefixes(default, policy, None) and shares_prefixes(on, policy, None)
+    assert not shares_prefixes(off, policy, None)
+    assert not shares_prefixes(from_dict({"policy": {"sequence_packing": False}}), policy, None)
+    assert not shares_prefixes(default, te_like, None) and not shares_prefixes(default, policy, te_like)
+    with pytest.raises(ConfigError, match=r"policy\.prefix_sharing=true.*TEDotProductAttention"):
+        shares_prefixes(on, te_like, None)
+    ids = _rows()
+    with pytest.raises(RuntimeError, match=r"prefix_sharing\.install"):  # a model whose decoder was not wrapped
+        from nemo_rollout_correction.models import schedule
+
+        bare = torch.nn.Linear(2, 2)
+        schedule._stage_forward(bare, ids, None, packed=PackedRows.of(ids, LENGTHS, share_prefixes=True))
