@@ -9,8 +9,9 @@ handed; it does not touch the engines, the sampler, metrics files or checkpoints
 Each phase leaves an immutable record (one job each, nothing filled in later):
 
 - `Microbatch`: the cut (this dp rank's rows, trimmed to the longest, this CP rank's share of the tokens; with
-  `policy.sequence_packing` also packed for the forward, the logprobs unpacked back to `[rows, width - 1]`, so
-  every later consumer reads the padded layout; `policy.max_tokens_per_microbatch` fills them by tokens);
+  `policy.sequence_packing` also packed for the forward, with `policy.prefix_sharing` each prompt once per pack
+  (`shares_prefixes`), the logprobs unpacked back to `[rows, width - 1]`, so every later consumer reads the
+  padded layout; `policy.max_tokens_per_microbatch` fills them by tokens);
 - `Scored`: the no-grad passes before the step's first update (`score`);
 - `MicrobatchPass`: what the loss pass computed for one microbatch (its logprobs; loglinear pi_old);
 - `Update`: one optimizer update (its plan, reduced statistics, what the optimizer did, its passes).
