@@ -38,13 +38,24 @@ optimizer step of one step) on a batch of uneven rows, three ways built side by 
 
   packed-budget   `policy.sequence_packing=true` with `policy.max_tokens_per_microbatch=--max-tokens` (not with 0)
   packed          `policy.sequence_packing=true`, `--rows` rows per microbatch
-  padded          the default: `--rows` rows per microbatch padded to the longest (the ratios' denominator)
+  padded          `policy.sequence_packing=false`: `--rows` rows per microbatch padded to the longest (the ratios'
+                  denominator)
+(both packed paths with `policy.prefix_sharing=false`: the batch's rows share no prompt anyway.)
 
 `--lengths default`: the default run's shapes (16 rows, prompts of 50-60 tokens, responses of 8-48);
 `--lengths long-tail`: rows of 16 to 512 tokens, log-uniform (a quarter of them over 150), prompts of 8 + 1/8.
 
     python benchmarks/bench_update_phases.py --model smollm2-135m --compare packing --lengths default --rows 8
     python benchmarks/bench_update_phases.py --model smollm2-135m --compare packing --lengths long-tail --rows 8
+
+`--compare prefix`: the same update phase on a batch of GRPO shape (4 samples per prompt: the rows of a prompt
+begin with the same prompt tokens; `--lengths` as above), two ways:
+
+  shared          `policy.sequence_packing=true`, `policy.prefix_sharing=true`: each prompt packed once per
+                  microbatch (`models.prefix_sharing`)
+  packed          the same packs without sharing (`policy.prefix_sharing=false`; the ratios' denominator)
+
+    python benchmarks/bench_update_phases.py --model smollm2-135m --compare prefix --lengths default --rows 8
 """
 
 from __future__ import annotations
@@ -64,13 +75,16 @@ from typing import Any
 
 PATHS = ("megatron", "megatron-plain", "hand-written")
 COMPARISONS = {"paths": PATHS, "attention": ("sdpa", "unfused"), "lm-head": ("cut", "full"),
-               "packing": ("packed-budget", "packed", "padded")}
-PACKING = {"packed-budget": {"sequence_packing": True}, "packed": {"sequence_packing": True},
-           "padded": {"sequence_packing": False}}
+               "packing": ("packed-budget", "packed", "padded"), "prefix": ("shared", "packed")}
+PACKING = {"packed-budget": {"sequence_packing": True, "prefix_sharing": False},
+           "packed": {"sequence_packing": True, "prefix_sharing": False},
+           "padded": {"sequence_packing": False}, "shared": {"sequence_packing": True, "prefix_sharing": True}}
+SAMPLES_PER_PROMPT = 4  # --compare prefix: rows per prompt (the default run's rollout.num_samples_per_prompt)
 
 
-def _uneven_batch(kind: str, samples: int, seed: int) -> tuple[dict[str, Any], Any]:
-    """A step's batch tensors of `samples` uneven rows (`--lengths`) and their advantages."""
+def _uneven_batch(kind: str, samples: int, seed: int, shared_prompts: bool = False) -> tuple[dict[str, Any], Any]:
+    """A step's batch tensors of `samples` uneven rows (`--lengths`) and their advantages; `shared_prompts`: every
+    `SAMPLES_PER_PROMPT` consecutive rows have the same prompt (length and tokens)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -81,11 +95,18 @@ def _uneven_batch(kind: str, samples: int, seed: int) -> tuple[dict[str, Any], A
         lengths = torch.exp(torch.empty(samples).uniform_(math.log(16), math.log(512), generator=gen)).round().long()
         prompts = 8 + lengths // 8
         responses = (lengths - prompts).clamp(min=1)
+    if shared_prompts:
+        prompts = prompts[::SAMPLES_PER_PROMPT].repeat_interleave(SAMPLES_PER_PROMPT)[:samples]
     total = prompts + responses
     width = int(total.max())
     columns = torch.arange(width - 1)[None, :]
     loss_mask = (columns >= (prompts - 1)[:, None]) & (columns < (total - 1)[:, None])
-    tensors = {"input_ids": torch.randint(3, 400, (samples, width), generator=gen), "loss_mask": loss_mask,
+    input_ids = torch.randint(3, 400, (samples, width), generator=gen)
+    if shared_prompts:
+        for first in range(0, samples, SAMPLES_PER_PROMPT):
+            n = int(prompts[first])
+            input_ids[first + 1:first + SAMPLES_PER_PROMPT, :n] = input_ids[first, :n]
+    tensors = {"input_ids": input_ids, "loss_mask": loss_mask,
                "rollout_logprobs": torch.where(loss_mask, -2.0 + 0.1 * torch.randn(samples, width - 1, generator=gen),
                                                0.0),
                "prompt_lengths": prompts, "response_lengths": responses}
@@ -93,7 +114,7 @@ def _uneven_batch(kind: str, samples: int, seed: int) -> tuple[dict[str, Any], A
 
 
 def _packing_rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
-    """`--compare packing`: each path's `PolicyUpdate.cut` + `run` on the same batch, interleaved."""
+    """`--compare packing|prefix`: each path's `PolicyUpdate.cut` + `run` on the same batch, interleaved."""
     import contextlib
 
     import torch
@@ -114,14 +135,16 @@ def _packing_rank(rank: int, world: int, port: int, args: dict[str, Any], out: s
     ps.initialize_model_parallel()
     groups = ParallelGroups.from_megatron()
     source = resolve_model_source(args["model"])
-    tensors, advantages = _uneven_batch(args["lengths"], args["samples"], seed=0)
+    tensors, advantages = _uneven_batch(args["lengths"], args["samples"], seed=0,
+                                        shared_prompts=args["compare"] == "prefix")
     if rank == 0:
         total = tensors["prompt_lengths"] + tensors["response_lengths"]
         print(f"[bench_update_phases] {args['samples']} rows of {int(total.min())}-{int(total.max())} tokens, "
               f"{int(total.sum())} in all; padded to the longest row of each microbatch of {args['rows']}",
               file=sys.stderr, flush=True)
     updates: dict[str, Any] = {}
-    for name, settings in PACKING.items():
+    for name in COMPARISONS[args["compare"]]:
+        settings = PACKING[name]
         if name == "packed-budget" and not args["max_tokens"]:
             continue  # --max-tokens 0: two paths (a third SmolLM2 with its optimizer costs about 3 GB)
         policy_cfg: dict[str, Any] = {"micro_batch_size": args["rows"], "lr": 1e-6, **settings}
@@ -132,6 +155,11 @@ def _packing_rank(rank: int, world: int, port: int, args: dict[str, Any], out: s
                          "rollout": {"max_new_tokens": 512, "max_model_len": 1024}})
         policy = MegatronPolicy.from_hf(source, params_dtype=args["dtype"])
         updates[name] = PolicyUpdate(cfg, groups, policy, None, pad_id=0)
+        if rank == 0:
+            packs = [mb.packed for mini in updates[name].cut(tensors, advantages) for mb in mini]
+            tokens = sum(pack.total for pack in packs if pack is not None)
+            print(f"[bench_update_phases] {name}: {tokens or 'padded'} packed tokens in {len(packs)} microbatches",
+                  file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def no_timer(_phase: str) -> Any:
@@ -275,12 +303,13 @@ def _print_packing(args: argparse.Namespace, samples: dict[str, Any], paths: tup
     print(f"{args.model} {args.dtype} DP={args.dp}, --lengths {args.lengths}, {args.samples} rows, "
           f"{args.rows} rows per padded/packed microbatch, packed-budget {args.max_tokens} tokens: update phase "
           f"(PolicyUpdate.cut + run), medians over {args.updates - 1} updates, rank 0, ms")
-    print(f"{'path':<15}{'cpu':>10}{'wall':>10}{'ratio to padded (median of interleaved pairs)':>50}")
+    base = paths[-1]
+    print(f"{'path':<15}{'cpu':>10}{'wall':>10}{f'ratio to {base} (median of interleaved pairs)':>50}")
     for name in paths:
         if f"{name}/update" not in samples:
             continue
         values = samples[f"{name}/update"]
-        ratios = [a[kind] / b[kind] for a, b in zip(values, samples["padded/update"], strict=True)]
+        ratios = [a[kind] / b[kind] for a, b in zip(values, samples[f"{base}/update"], strict=True)]
         print(f"{name:<15}{1000 * statistics.median(v[0] for v in values):>10.1f}"
               f"{1000 * statistics.median(v[1] for v in values):>10.1f}{statistics.median(ratios):>12.3f} "
               f"({', '.join(f'{r:.2f}' for r in ratios)})")
@@ -300,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=56, help="--compare lm-head: prompt tokens per row")
     parser.add_argument("--compare", default="paths", choices=tuple(COMPARISONS),
                         help="paths: the three update paths; attention: the fused vs the unfused core attention; "
-                             "lm-head: cut vs full output layer; packing: packed vs padded microbatches")
+                             "lm-head: cut vs full output layer; packing: packed vs padded microbatches; "
+                             "prefix: packs with vs without shared prompts")
     parser.add_argument("--lengths", default="default", choices=("default", "long-tail"),
                         help="--compare packing: the row lengths (module docstring)")
     parser.add_argument("--samples", type=int, default=16, help="--compare packing: rows per step")
@@ -315,11 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        entry = _packing_rank if args.compare == "packing" else _rank
+        entry = _packing_rank if args.compare in ("packing", "prefix") else _rank
         mp.start_processes(entry, args=(args.dp, port, vars(args), out), nprocs=args.dp, start_method="spawn")
         samples = json.loads(Path(out, "rank0.json").read_text())
     paths = COMPARISONS[args.compare]
-    if args.compare == "packing":
+    if args.compare in ("packing", "prefix"):
         return _print_packing(args, samples, paths)
     print(f"{args.model} {args.dtype} DP={args.dp}, {2 * args.rows} rows x {args.width} tokens: "
           f"medians over {args.updates - 1} updates, rank 0, ms")

@@ -20,6 +20,7 @@ SUITES=(
   tests/integration/test_cpu_training.py        # the training step's machinery on CPU
   tests/integration/test_sdpa_attention.py      # the fused core attention subclasses 0.19.2's DotProductAttention
   tests/integration/test_logit_positions.py     # the output layer from the first loss position
+  tests/integration/test_prefix_sharing.py      # shared-prefix packs: 0.19.2's THD rotary and decoder call
   tests/unit/test_losses_single.py
   tests/unit/test_trainer_scoring.py
   tests/distributed/test_losses.py

@@ -190,6 +190,12 @@ class PolicyConfig(PolicyOptimizerConfig):
                                        ". null: on, except with policy.context_parallel_size > 1 or "
                                        "rollout.routing_replay != none (padded there, noted in the log); true: on "
                                        "(refused with those); false: padded.")
+    prefix_sharing: bool | None = _f(None, "In a packed microbatch, rows that begin with the same tokens (the "
+                                     "samples of one prompt) share one copy of them: the prompt is computed once "
+                                     "per microbatch instead of once per row (docs/training.md, \"Shared "
+                                     "prefixes\"). null: on wherever it is built (packed microbatches on the local "
+                                     "CPU layer spec; off on the Transformer Engine spec, noted in the log); true: "
+                                     "on (refused where not built); false: off.")
     max_tokens_per_microbatch: int = _f(0, "Fill microbatches by tokens instead of rows: at most this many tokens "
                                         "(packed: the rows' lengths; padded: rows x longest row) per microbatch, "
                                         "rows sorted by length; 0 = off (policy.micro_batch_size rows each).")
@@ -209,6 +215,10 @@ class PolicyConfig(PolicyOptimizerConfig):
                   "each padded row in 2 x CP chunks (distributed/context_parallel.py); packed rows would need "
                   "per-sequence THD sharding, which is not implemented; set policy.sequence_packing=null (padded "
                   "with CP) or false, or policy.context_parallel_size=1")
+        if self.prefix_sharing is True and self.sequence_packing is False:
+            _fail("policy.prefix_sharing", self.prefix_sharing,
+                  "not with policy.sequence_packing=false: prefixes are shared inside packed microbatches; set "
+                  "policy.sequence_packing=null or true, or policy.prefix_sharing=null or false")
 
     @property
     def model_parallel_size(self) -> int:
@@ -598,6 +608,10 @@ class TrainConfig:
                               "(harness/routing_replay.py), not yet in the packed layout; set "
                               "policy.sequence_packing=null (padded with routing replay) or false, or "
                               "rollout.routing_replay=none")
+        if self.policy.prefix_sharing is True and not self.packs_sequences:
+            raise ConfigError(f"policy.prefix_sharing=true with policy.sequence_packing=null and "
+                              f"{self.packing_unsupported_by()}: prefixes are shared inside packed microbatches, and "
+                              "these microbatches are padded; set policy.prefix_sharing=null or false")
         if self.policy.lora.rank > 0 and self.rollout.quantization != "none":
             raise ConfigError(f"policy.lora.rank={self.policy.lora.rank} with rollout.quantization="
                               f"{self.rollout.quantization}: an adapter on a quantized engine is not built or tested "

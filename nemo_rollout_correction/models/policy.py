@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu
 from nemo_rollout_correction.distributed.tensor_gather import group_rank, group_size
 from nemo_rollout_correction.distributed.vocab_parallel import vocab_parallel_logprobs
-from nemo_rollout_correction.models import logit_positions
+from nemo_rollout_correction.models import logit_positions, prefix_sharing
 from nemo_rollout_correction.models.hf_llama import (
     ModelArch,
     SafetensorsCheckpoint,
@@ -74,6 +74,14 @@ class MegatronPolicy:
     cuts_logits: bool = False
     """Whether forwards can compute logits from a sequence position on (`models.logit_positions`; not under
     sequence parallelism): `score_microbatches(starts=...)`, `run_microbatches(output_starts=...)`."""
+    prefix_sharing_unsupported: str | None = "not built by from_hf"
+    """Why forwards cannot run shared-prefix packs (`models.prefix_sharing`: the local spec's attention only), or
+    None when they can (`shares_prefixes`)."""
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether packs with shared prefixes (`PackedRows.of(share_prefixes=True)`) can be forwarded."""
+        return self.prefix_sharing_unsupported is None
 
     @property
     def device(self) -> torch.device:
@@ -134,8 +142,9 @@ class MegatronPolicy:
             apply_lora(model, lora, seed=seed)
         group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         routing = RoutingReplay.for_model(model) if routing_replay else None
+        sharing = None if prefix_sharing.install(model) else prefix_sharing.unsupported_by(model)
         return cls(model=model, arch=arch, hf_dir=hf_dir, tp_group=group, pp_size=pp, is_last_stage=last,
-                   routing=routing, cuts_logits=logit_positions.install(model))
+                   routing=routing, cuts_logits=logit_positions.install(model), prefix_sharing_unsupported=sharing)
 
     def use_fp32_lm_head(self) -> MegatronPolicy:
         """Compute the output layer (and so the logits and logprobs) in fp32 under a bf16/fp16 policy.

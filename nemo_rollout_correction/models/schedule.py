@@ -33,6 +33,7 @@ from nemo_rollout_correction.distributed.cpu_compat import cuda_to_cpu, without_
 from nemo_rollout_correction.models.logit_positions import can_cut, from_position
 from nemo_rollout_correction.models.megatron_cpu import causal_attention_mask
 from nemo_rollout_correction.models.packing import PackedRows
+from nemo_rollout_correction.models.prefix_sharing import installed
 
 LossHook = Callable[[int, Tensor], "Tensor | tuple[Tensor, Tensor | None]"]
 """`(microbatch index, logits [batch, seq, vocab / tp]) -> scalar loss` or `(loss, num_tokens)`; runs on the
@@ -138,6 +139,9 @@ def _stage_forward(stage: nn.Module, ids: Tensor, position_ids: Tensor | None, o
     device = next(stage.parameters()).device
     if packed is not None:
         packed = packed.to(device)
+        if packed.shares_prefixes and not installed(stage):
+            raise RuntimeError("a shared-prefix pack needs models.prefix_sharing.install(model) (the local layer "
+                               "spec's attention; MegatronPolicy.shares_prefixes)")
         index: Tensor | int = packed.logit_index if can_cut(stage) else 0
         with _compute(stage), from_position(stage, index):
             return stage(input_ids=packed.input_ids, position_ids=packed.position_ids,  # type: ignore[no-any-return]

@@ -17,7 +17,8 @@ them), and no row is fully masked under a causal mask. Where the fused kernel ca
 (attention dropout during training, a sliding window, a softmax offset, query-key layer scaling, an attention
 bias) it calls the parent's forward. `fused = False` on an instance does the same (the benchmark's and the
 tests' A/B switch). Packed rows (Megatron's THD layout, `models.packing`), which the parent refuses, get causal
-attention within each row (`_packed`).
+attention within each row (`_packed`); rows packed with a shared prefix (`models.prefix_sharing`) get the prefix's
+causal attention once and each suffix's attention over the prefix and its own tokens (`_shared_prefix`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
             raise ValueError("packed attention needs the same row boundaries for queries and keys")
         lengths = (cu_q[1:] - cu_q[:-1]).tolist()
         gqa = key.shape[1] != query.shape[1]
+        if getattr(packed_seq_params, "groups", None):
+            return self._shared_prefix(query, key, value, lengths, packed_seq_params, gqa)
         contexts = []
         # [t, heads, hn] -> per row [1, heads, len, hn]
         rows = zip(torch.split(query, lengths), torch.split(key, lengths), torch.split(value, lengths), strict=True)
@@ -112,6 +115,45 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=self.softmax_scale, is_causal=True,
                                                  enable_gqa=gqa)
             contexts.append(out.squeeze(0).permute(1, 0, 2))  # [len, np, hn]
+        return torch.cat(contexts).reshape(query.shape[0], self.hidden_size_per_partition)
+
+    def _shared_prefix(self, query: Tensor, key: Tensor, value: Tensor, lengths: list[int], params: Any,
+                       gqa: bool) -> Tensor:
+        """Attention of a shared-prefix pack (`models.prefix_sharing.SharedPrefixParams`): per segment (a group
+        `[prefix (p), suffix_1, suffix_2, ...]`) the prefix causal over itself, then each suffix over the keys
+        `[prefix; its own tokens]` with `suffix_masks` (the whole prefix, causal over its own): the keys and their
+        order are those its unshared row attends to, so each suffix computes what the plain pack computes. A
+        segment of one row (p = 0) is one causal call, as in `_packed`. query `[t, np, hn]` -> `[t, np * hn]`."""
+        if len(lengths) != len(params.groups):
+            raise ValueError(f"shared-prefix pack: {len(lengths)} segments for {len(params.groups)} groups")
+
+        def heads_first(t: Tensor) -> Tensor:  # [len, heads, hn] -> [1, heads, len, hn]
+            return t.permute(1, 0, 2).unsqueeze(0)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+            out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), dropout_p=0.0,
+                                                 scale=self.softmax_scale, enable_gqa=gqa,
+                                                 **({"is_causal": True} if mask is None else {"attn_mask": mask}))
+            return out.squeeze(0).permute(1, 0, 2)  # [len, np, hn]
+
+        contexts = []
+        start = 0
+        for length, (p, suffixes), masks in zip(lengths, params.groups, params.suffix_masks, strict=True):
+            if p + sum(suffixes) != length:
+                raise ValueError(f"shared-prefix pack: a segment of {length} tokens, its group holds {p} + {suffixes}")
+            if p:
+                contexts.append(attend(query[start:start + p], key[start:start + p], value[start:start + p], None))
+            k_prefix, v_prefix = key[start:start + p], value[start:start + p]
+            at = start + p
+            for n, mask in zip(suffixes, masks, strict=True):
+                q = query[at:at + n]
+                if p:
+                    k, v = torch.cat([k_prefix, key[at:at + n]]), torch.cat([v_prefix, value[at:at + n]])
+                    contexts.append(attend(q, k, v, mask.to(q.device)))
+                else:
+                    contexts.append(attend(q, key[at:at + n], value[at:at + n], None))
+                at += n
+            start += length
         return torch.cat(contexts).reshape(query.shape[0], self.hidden_size_per_partition)
 
 

@@ -84,7 +84,7 @@ from nemo_rollout_correction.trainer.fleet import CollectedRollouts, RolloutFlee
 from nemo_rollout_correction.trainer.gpu_paths import check_gpu_paths
 from nemo_rollout_correction.trainer.mismatch_alert import MismatchAlarm
 from nemo_rollout_correction.trainer.observer import NullObserver, StepReview, TrainObserver
-from nemo_rollout_correction.trainer.policy_update import Microbatch, PolicyUpdate, Update
+from nemo_rollout_correction.trainer.policy_update import Microbatch, PolicyUpdate, Update, prefix_sharing_unsupported
 from nemo_rollout_correction.trainer.resume_check import check_resume
 from nemo_rollout_correction.trainer.step_batch import StepBatch, prepare_batch
 from nemo_rollout_correction.trainer.step_report import StepReport, StepTimer
@@ -143,6 +143,9 @@ class GrpoTrainer:
             for param in self.reference.model.parameters():
                 param.requires_grad_(False)
         self.update = PolicyUpdate(cfg, self.groups, self.policy, self.reference, pad_id=self.pad_id)
+        if cfg.policy.prefix_sharing is None and cfg.packs_sequences and not self.update.shares_prefixes:
+            self.log("[nrc train] policy.prefix_sharing=null: packed microbatches without shared prefixes, "
+                     f"{prefix_sharing_unsupported(self.policy, self.reference)}")
         num_params = sum(p.numel() for p in self.policy.model.parameters() if p.requires_grad)
         self.log(
             f"[nrc train] Megatron policy ({self.policy.arch.architecture}, {num_params:,} "

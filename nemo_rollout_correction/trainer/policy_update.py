@@ -9,8 +9,9 @@ handed; it does not touch the engines, the sampler, metrics files or checkpoints
 Each phase leaves an immutable record (one job each, nothing filled in later):
 
 - `Microbatch`: the cut (this dp rank's rows, trimmed to the longest, this CP rank's share of the tokens; with
-  `policy.sequence_packing` also packed for the forward, the logprobs unpacked back to `[rows, width - 1]`, so
-  every later consumer reads the padded layout; `policy.max_tokens_per_microbatch` fills them by tokens);
+  `policy.sequence_packing` also packed for the forward, with `policy.prefix_sharing` each prompt once per pack
+  (`shares_prefixes`), the logprobs unpacked back to `[rows, width - 1]`, so every later consumer reads the
+  padded layout; `policy.max_tokens_per_microbatch` fills them by tokens);
 - `Scored`: the no-grad passes before the step's first update (`score`);
 - `MicrobatchPass`: what the loss pass computed for one microbatch (its logprobs; loglinear pi_old);
 - `Update`: one optimizer update (its plan, reduced statistics, what the optimizer did, its passes).
@@ -38,7 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from nemo_rollout_correction.config.schema import TrainConfig
+from nemo_rollout_correction.config.schema import ConfigError, TrainConfig
 from nemo_rollout_correction.core.devices import tensor_fields_to
 from nemo_rollout_correction.core.loglinear import loglinear_alpha, loglinear_error_partials, loglinear_old_logprobs
 from nemo_rollout_correction.core.policy_loss import PolicyLossConfig
@@ -213,6 +214,29 @@ def microbatch_rows(samples: Tensor, lengths: Tensor, *, dp_size: int, dp_rank: 
     return [torch.tensor(b, dtype=samples.dtype) for b in ordered]
 
 
+def prefix_sharing_unsupported(policy: MegatronPolicy, reference: MegatronPolicy | None) -> str | None:
+    """Why the policy (or the reference policy, which scores the same packs) cannot forward shared-prefix packs
+    (`models.prefix_sharing`), or None."""
+    for model in (policy, reference):
+        if model is not None and model.prefix_sharing_unsupported is not None:
+            return f"{model.prefix_sharing_unsupported} (layer spec {model.layer_spec})"
+    return None
+
+
+def shares_prefixes(cfg: TrainConfig, policy: MegatronPolicy, reference: MegatronPolicy | None) -> bool:
+    """Whether the update's packs share their rows' prefixes: `policy.prefix_sharing` resolved (null: wherever the
+    microbatches are packed and the models can; true where they cannot: ConfigError naming why)."""
+    setting = cfg.policy.prefix_sharing
+    if setting is False or not cfg.packs_sequences:
+        return False
+    unsupported = prefix_sharing_unsupported(policy, reference)
+    if setting is True and unsupported is not None:
+        raise ConfigError(f"policy.prefix_sharing=true is not built here: {unsupported}; shared prefixes need the "
+                          "local layer spec's attention (models/prefix_sharing.py); set policy.prefix_sharing=null "
+                          "or false")
+    return unsupported is None
+
+
 def train_rows(num_samples: int, num_mini_batches: int, dp_size: int, dp_rank: int) -> Tensor:
     """The rows data-parallel rank `dp_rank` trains: its contiguous slice of every mini-batch (`PolicyUpdate.cut`)."""
     samples = torch.arange(num_samples)
@@ -246,6 +270,7 @@ class PolicyUpdate:
             norm_length=float(cfg.rollout.max_new_tokens),
         )
         self.replay = replay_options(cfg)
+        self.shares_prefixes = shares_prefixes(cfg, policy, reference)
         # Megatron DDP + optimizer (fp32 main weights for bf16/fp16) + LR schedule: models/optimizer.py.
         self.optim = build_policy_optimizer(
             policy.model, OptimizerSettings.from_config(cfg.policy, total_updates=cfg.total_optimizer_updates))
@@ -312,7 +337,8 @@ class PolicyUpdate:
             logit_start = first_loss_position(loss_mask) if labels is None and self.policy.cuts_logits else 0
             packed = None
             if self.cfg.packs_sequences:  # never with CP (config/schema.py): the rows are whole here
-                packed = PackedRows.of(input_ids, lengths, row_loss_starts(loss_mask))
+                packed = PackedRows.of(input_ids, lengths, row_loss_starts(loss_mask),
+                                       share_prefixes=self.shares_prefixes)
                 logit_start = 0
             mb = Microbatch(
                 input_ids=input_ids, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask,

@@ -21,6 +21,7 @@ CHANGEABLE: tuple[str, ...] = (
     "policy.context_parallel_size",
     "policy.micro_batch_size",
     "policy.sequence_packing",  # how the update groups rows, like the two above: the same loss up to rounding
+    "policy.prefix_sharing",  # how a pack lays out its rows: the same loss up to rounding
     "policy.max_tokens_per_microbatch",
     "rollout.placement",
     "rollout.max_staleness",  # in-flight batches beyond the new bound go by rollout.stale_policy

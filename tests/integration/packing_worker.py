@@ -74,6 +74,8 @@ def _step(hf_dir: str, tp: int, pp: int, config: dict[str, Any], tensors: dict[s
         "dp_rank": groups.dp_rank, "tp_rank": groups.tp_rank, "last": policy.is_last_stage,
         "num_microbatches": [len(mini) for mini in mini_batches],
         "widths": [[int(mb.input_ids.shape[1]) for mb in mini] for mini in mini_batches],
+        "packed_tokens": [[None if mb.packed is None else mb.packed.total for mb in mini] for mini in mini_batches],
+        "shares_prefixes": update.shares_prefixes,
         "results": [broadcast_from_last_stage((u.result.sums, u.result.rc_metrics), groups) for u in updates],
         "grad_norms": [u.applied.grad_norm for u in updates],
         "rows": rows, "logprobs": logprobs, "old_logprobs": old, "grads": grads, "weights": weights,

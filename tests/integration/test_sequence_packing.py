@@ -8,6 +8,10 @@ reduced loss sums and correction metrics, gradient norms, per-row logprobs and p
 weights (fp32 tolerance), for the default objective and for sequence-level weights with a sequence-mean loss,
 a KL penalty (the reference policy's pass), two mini-batches and two PPO epochs.
 
+Prefix sharing (`policy.prefix_sharing`, `models.prefix_sharing`): on a batch of GRPO shape (4 samples per prompt,
+their prompts identical), the update whose packs share each prompt equals the plain packed one and the padded
+one, alone, with a token budget, and under TP = 2, DP = 2 and PP = 2.
+
 What makes these fail: attention leaking across packed rows (the logprobs of the short rows change), a sequence
 sum taken per microbatch instead of per row (the sequence-level IS weights, and so the loss, change when the
 budget regroups rows), a normalisation per microbatch (token-mean changes with the grouping), or data-parallel
@@ -51,16 +55,24 @@ SEQUENCE_LEVEL = {
 }
 
 
-def _batch() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+# the GRPO batch of the prefix-sharing tests: 4 samples per prompt, the prompt's tokens identical in its samples
+GROUP_PROMPTS = torch.tensor([6, 4, 5, 3]).repeat_interleave(4)
+
+
+def _batch(shared_prompts: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     gen = torch.Generator().manual_seed(11)
-    lengths = PROMPTS + RESPONSES
+    prompts = GROUP_PROMPTS if shared_prompts else PROMPTS
+    lengths = prompts + RESPONSES
     width = int(lengths.max())
     input_ids = torch.randint(3, 500, (SAMPLES, width), generator=gen)  # the padding is random tokens too
+    if shared_prompts:
+        for first in range(0, SAMPLES, 4):
+            input_ids[first + 1:first + 4, :int(prompts[first])] = input_ids[first, :int(prompts[first])]
     columns = torch.arange(width - 1)[None, :]
-    loss_mask = (columns >= (PROMPTS - 1)[:, None]) & (columns < (lengths - 1)[:, None])
+    loss_mask = (columns >= (prompts - 1)[:, None]) & (columns < (lengths - 1)[:, None])
     rollout_logprobs = torch.where(loss_mask, -6.3 + 0.3 * torch.randn(SAMPLES, width - 1, generator=gen), 0.0)
     tensors = {"input_ids": input_ids, "rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask,
-               "prompt_lengths": PROMPTS, "response_lengths": RESPONSES}
+               "prompt_lengths": prompts, "response_lengths": RESPONSES}
     return tensors, torch.randn(SAMPLES, generator=gen)
 
 
@@ -85,9 +97,9 @@ def _with(config: dict[str, Any], **policy: Any) -> dict[str, Any]:
 
 
 def _run(hf_dir: Path, configs: list[dict[str, Any]], world: int = 1, tp: int = 1,
-         pp: int = 1) -> list[list[dict[str, Any]]]:
+         pp: int = 1, shared_prompts: bool = False) -> list[list[dict[str, Any]]]:
     """Per config, every rank's result (`packing_worker`: all configs in one start of `world` processes)."""
-    tensors, advantages = _batch()
+    tensors, advantages = _batch(shared_prompts)
     by_rank = dist_harness.launch(packing_worker.worker, world, str(hf_dir), tp, pp, configs, tensors, advantages,
                                   timeout=600.0)
     return [[rank[i] for rank in by_rank] for i in range(len(configs))]
@@ -178,6 +190,12 @@ def test_packing_default_and_refusals() -> None:
         from_dict({"policy": {"sequence_packing": True}, "rollout": {"routing_replay": "r3"}})
     with pytest.raises(ConfigError, match=r"policy\.max_tokens_per_microbatch"):
         from_dict({"policy": {"max_tokens_per_microbatch": -1}})
+    # prefix sharing lives inside packed microbatches: asked for without them, refused naming both keys
+    assert default.policy.prefix_sharing is None
+    with pytest.raises(ConfigError, match=r"policy\.prefix_sharing=True.*policy\.sequence_packing=false"):
+        from_dict({"policy": {"prefix_sharing": True, "sequence_packing": False}})
+    with pytest.raises(ConfigError, match=r"policy\.prefix_sharing=true.*policy\.sequence_packing=null"):
+        from_dict({"policy": {"prefix_sharing": True}, "rollout": {"routing_replay": "r3"}})
 
 
 def test_packed_and_budgeted_updates_equal_the_padded_run(hf_dir: Path) -> None:
@@ -199,6 +217,36 @@ def test_packed_layouts_equal_the_one_process_padded_run(hf_dir: Path, layout: s
     (reference,) = _run(hf_dir, [SEQUENCE_LEVEL])
     config = _with(SEQUENCE_LEVEL, sequence_packing=True, max_tokens_per_microbatch=60)
     (got,) = _run(hf_dir, [config], world=2, tp=2 if layout == "tp2" else 1, pp=2 if layout == "pp2" else 1)
+    if layout == "dp2":
+        assert got[0]["num_microbatches"] == got[1]["num_microbatches"]
+    _assert_same_run(got, reference)
+
+
+SHARED = _with(DEFAULT, sequence_packing=True)  # policy.prefix_sharing=null: on (the local spec builds it)
+PLAIN = _with(DEFAULT, sequence_packing=True, prefix_sharing=False)
+
+
+def test_shared_prefix_updates_equal_the_plain_packed_and_padded_run(hf_dir: Path) -> None:
+    padded, plain, shared, budget, seq_padded, seq_shared = _run(hf_dir, [
+        DEFAULT, PLAIN, SHARED, _with(SHARED, max_tokens_per_microbatch=100),
+        SEQUENCE_LEVEL, _with(SEQUENCE_LEVEL, sequence_packing=True)], shared_prompts=True)
+    assert shared[0]["shares_prefixes"] and not plain[0]["shares_prefixes"]
+    # each microbatch of 4 rows holds one prompt's samples: its prompt is packed once instead of 4 times
+    saved = [p - s for p, s in zip(plain[0]["packed_tokens"][0], shared[0]["packed_tokens"][0], strict=True)]
+    assert saved == [3 * int(n) for n in GROUP_PROMPTS[::4]]
+    _assert_same_run(shared, plain)
+    for got, want in ((shared, padded), (budget, padded), (seq_shared, seq_padded)):
+        _assert_same_run(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_shared_prefix_layouts_equal_the_one_process_padded_run(hf_dir: Path, layout: str) -> None:
+    (reference,) = _run(hf_dir, [SEQUENCE_LEVEL], shared_prompts=True)
+    config = _with(SEQUENCE_LEVEL, sequence_packing=True, max_tokens_per_microbatch=100)
+    (got,) = _run(hf_dir, [config], world=2, tp=2 if layout == "tp2" else 1, pp=2 if layout == "pp2" else 1,
+                  shared_prompts=True)
+    assert got[0]["shares_prefixes"]
     if layout == "dp2":
         assert got[0]["num_microbatches"] == got[1]["num_microbatches"]
     _assert_same_run(got, reference)
