@@ -62,20 +62,18 @@ class SharedPrefixParams(PackedSeqParams):  # type: ignore[misc]
                    suffix_masks=tuple(tuple(masks[p, n] for n in suffixes) for p, suffixes in groups))
 
 
-def _decoder(model: nn.Module) -> nn.Module | None:
-    """The `TransformerBlock` of a (DDP- or Float16Module-wrapped) GPTModel stage, or None."""
-    inner: Any = model
-    while not hasattr(inner, "decoder") and isinstance(getattr(inner, "module", None), nn.Module):
-        inner = inner.module
-    decoder = getattr(inner, "decoder", None)
-    return decoder if isinstance(decoder, nn.Module) else None
-
-
 def _gpt(model: nn.Module) -> Any:
+    """The GPTModel stage inside a DDP- or Float16Module-wrapped model (the model itself when unwrapped)."""
     inner: Any = model
     while not hasattr(inner, "decoder") and isinstance(getattr(inner, "module", None), nn.Module):
         inner = inner.module
     return inner
+
+
+def _decoder(model: nn.Module) -> nn.Module | None:
+    """The `TransformerBlock` of a (DDP- or Float16Module-wrapped) GPTModel stage, or None."""
+    decoder = getattr(_gpt(model), "decoder", None)
+    return decoder if isinstance(decoder, nn.Module) else None
 
 
 def unsupported_by(model: nn.Module) -> str | None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from default_lane import require
+from packed_grads import sequence_loss_grads
 
 require("megatron.core", "megatron")
 
 from nemo_rollout_correction.models.packing import PackedRows
 from nemo_rollout_correction.models.policy import MegatronPolicy
-from nemo_rollout_correction.models.schedule import forward_microbatches, run_microbatches
+from nemo_rollout_correction.models.schedule import forward_microbatches
 from nemo_rollout_correction.trainer.policy_update import row_loss_starts
 
 pytestmark = [pytest.mark.integration]
@@ -85,30 +86,12 @@ def test_no_attention_across_rows(policy: MegatronPolicy) -> None:
     assert not torch.equal(base[0][1], changed[0][1])
 
 
-def _grads(policy: MegatronPolicy, ids: torch.Tensor, packed: PackedRows | None,
-           mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Gradients of a loss with per-row sequence sums (a sequence-level IS-style weight per row)."""
-    policy.model.zero_grad(set_to_none=True)
-    kept: list[torch.Tensor] = []
-
-    def hook(i: int, logits: torch.Tensor) -> torch.Tensor:
-        logprobs = policy.logprobs_from_logits(logits, ids) if packed is None else \
-            policy.packed_logprobs(logits, packed)
-        kept.append(logprobs.detach())
-        seq = (logprobs * mask).sum(-1)  # one sum per row, never per microbatch
-        return -(torch.tanh(seq / 10.0) * torch.arange(1.0, 6.0)).sum()
-
-    run_microbatches(policy.model, [ids], hook, forward_only=False, packed=None if packed is None else [packed])
-    grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
-    return kept[0], grads
-
-
 def test_packed_gradients_equal_the_padded_ones(policy: MegatronPolicy) -> None:
     ids = _rows()
     mask = _real(ids.shape[1]) & (torch.arange(40)[None, :] >= 1)  # every row's response: from column 1
     starts = row_loss_starts(mask)
-    pad_lp, pad_grads = _grads(policy, ids, None, mask)
-    pack_lp, pack_grads = _grads(policy, ids, PackedRows.of(ids, LENGTHS, starts), mask)
+    pad_lp, pad_grads = sequence_loss_grads(policy, ids, None, mask)
+    pack_lp, pack_grads = sequence_loss_grads(policy, ids, PackedRows.of(ids, LENGTHS, starts), mask)
     torch.testing.assert_close(pack_lp[mask], pad_lp[mask], rtol=1e-5, atol=1e-5)
     assert pad_grads.keys() == pack_grads.keys() and pad_grads
     for name, grad in pad_grads.items():

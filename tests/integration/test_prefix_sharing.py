@@ -16,12 +16,13 @@ import dataclasses
 import pytest
 import torch
 from default_lane import require
+from packed_grads import sequence_loss_grads
 
 require("megatron.core", "megatron")
 
 from nemo_rollout_correction.models.packing import PackedRows, shared_prefix_groups
 from nemo_rollout_correction.models.policy import MegatronPolicy
-from nemo_rollout_correction.models.schedule import forward_microbatches, run_microbatches
+from nemo_rollout_correction.models.schedule import forward_microbatches
 from nemo_rollout_correction.trainer.policy_update import row_loss_starts, shares_prefixes
 
 pytestmark = [pytest.mark.integration]
@@ -135,33 +136,15 @@ def test_suffix_positions_continue(policy: MegatronPolicy) -> None:
         assert not torch.allclose(out[0][real], padded[0][real], rtol=1e-3, atol=1e-3)
 
 
-def _grads(policy: MegatronPolicy, ids: torch.Tensor, packed: PackedRows | None,
-           mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Gradients of a loss with per-row sequence sums (a sequence-level IS-style weight per row)."""
-    policy.model.zero_grad(set_to_none=True)
-    kept: list[torch.Tensor] = []
-
-    def hook(i: int, logits: torch.Tensor) -> torch.Tensor:
-        logprobs = policy.logprobs_from_logits(logits, ids) if packed is None else \
-            policy.packed_logprobs(logits, packed)
-        kept.append(logprobs.detach())
-        seq = (logprobs * mask).sum(-1)
-        return -(torch.tanh(seq / 10.0) * torch.arange(1.0, 9.0)).sum()
-
-    run_microbatches(policy.model, [ids], hook, forward_only=False, packed=None if packed is None else [packed])
-    grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
-    return kept[0], grads
-
-
 def test_shared_gradients_equal_plain_and_padded(policy: MegatronPolicy) -> None:
     ids = _rows()
     mask = _mask(40)
     starts = row_loss_starts(mask)
-    pad_lp, pad_grads = _grads(policy, ids, None, mask)
-    plain_lp, plain_grads = _grads(policy, ids, PackedRows.of(ids, LENGTHS, starts), mask)
+    pad_lp, pad_grads = sequence_loss_grads(policy, ids, None, mask)
+    plain_lp, plain_grads = sequence_loss_grads(policy, ids, PackedRows.of(ids, LENGTHS, starts), mask)
     torch.testing.assert_close(plain_lp[mask], pad_lp[mask], rtol=1e-5, atol=1e-5)
     shared = PackedRows.of(ids, LENGTHS, starts, share_prefixes=True)
-    shared_lp, shared_grads = _grads(policy, ids, shared, mask)
+    shared_lp, shared_grads = sequence_loss_grads(policy, ids, shared, mask)
     torch.testing.assert_close(shared_lp[mask], pad_lp[mask], rtol=1e-5, atol=1e-5)
     assert pad_grads.keys() == shared_grads.keys() == plain_grads.keys() and pad_grads
     for name, grad in pad_grads.items():
